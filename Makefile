@@ -1,0 +1,35 @@
+# Everything a user or CI needs: `make demo`, `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint profiles bench clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (set PY=python3.x, x >= 11)"; exit 2; }
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/lorapack demo
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests bench scripts
+	$(BIN)/python -m pytest -x -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench scripts
+
+profiles: $(STAMP)
+	$(BIN)/python scripts/fit_profiles.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/twin_speed.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

@@ -1,0 +1,219 @@
+"""Profiles: fitted constants of one GPU x model x vLLM version, stored as YAML (twin.md §3).
+
+Profiles are data produced by ``scripts/fit_profiles.py`` / ``lorapack calibrate`` — never hand-edited.
+A shipped profile lives in ``lorapack/profiles/<gpu>__vllm-<version>__<model>.yaml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ProfileError
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+# --max-lora-rank values vLLM accepts
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class KvPoint(_Frozen):
+    max_loras: int
+    max_lora_rank: int
+    kv_tokens: int | None = None  # None when the server failed to start
+    error_type: str | None = None  # e.g. kv_cache_insufficient, no_cache_blocks, cuda_oom
+
+
+class MemoryModel(_Frozen):
+    """``T_max(A, S) = kv_tokens_base - A * (kv_tokens_per_slot_rank * S + kv_tokens_per_slot)``."""
+
+    kv_tokens_base: float  # T0, LoRA enabled, at the profile's max_num_seqs
+    kv_tokens_per_slot_rank: float  # k
+    kv_tokens_per_slot: float  # c
+    kv_tokens_no_lora: float | None = None
+    startup_margin: float = 0.02  # rule 1 margin when (A, S) was not measured
+    measured: list[KvPoint] = Field(default_factory=list)  # start-up probes; used where (A, S) matches
+
+
+class StepTimeModel(_Frozen):
+    c0_ms: float
+    c1_ms_per_req: float
+    p1_ms_per_prefill_token: float
+    a3_ms_per_kctx: float = 0.0
+    lora_form: Literal["additive", "multiplicative"] = "additive"
+    e0_ms: float = 0.0
+    e1_ms_per_token: float = 0.0
+    e2_ms_per_adapter: float = 0.0
+    e3_ms_per_kreq_adapter: float = 0.0
+    gamma: float = 0.0  # LoRA cost scales with (S/8)**gamma
+    k0_pct: float = 100.0
+    k1_pct_per_adapter: float = 0.0
+
+
+class SchedulerModel(_Frozen):
+    """``max(0, b*B + const + W*(w - wa*A/N_cpu) - baseline)`` ms per step (paper form)."""
+
+    ms_per_running: float
+    const_ms: float
+    ms_per_waiting: float
+    ms_per_waiting_slot_ratio: float
+    baseline_ms: float
+
+
+class LoadPoint(_Frozen):
+    max_lora_rank: int
+    rank: int
+    ms: float
+
+
+class DiskPoint(_Frozen):
+    rank: int
+    ms: float
+
+
+class LoadingModel(_Frozen):
+    activation: list[LoadPoint]  # CPU -> GPU, by (slot rank S, adapter rank r)
+    disk: list[DiskPoint]  # disk -> CPU, by adapter rank
+
+
+class Profile(_Frozen):
+    schema_version: int = 1
+    model: str
+    gpu: str
+    vllm_version: str
+    max_model_len: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 2048
+    memory: MemoryModel
+    steptime: StepTimeModel
+    scheduler: SchedulerModel
+    loading: LoadingModel
+    provenance: dict = Field(default_factory=dict)
+
+    # ---- memory and the start-up rule (twin.md §3.4) ----
+    def _measured(self, max_loras: int, max_lora_rank: int) -> KvPoint | None:
+        for p in self.memory.measured:
+            if p.max_loras == max_loras and p.max_lora_rank == max_lora_rank:
+                return p
+        return None
+
+    def kv_tokens(self, max_loras: int, max_lora_rank: int) -> int:
+        """KV cache capacity in tokens (multiple of the block size); may be <= 0."""
+        p = self._measured(max_loras, max_lora_rank)
+        if p is not None and p.kv_tokens is not None:
+            return int(p.kv_tokens)
+        m = self.memory
+        t = m.kv_tokens_base - max_loras * (m.kv_tokens_per_slot_rank * max_lora_rank + m.kv_tokens_per_slot)
+        return int(math.floor(t / self.block_size)) * self.block_size
+
+    def startup(self, max_loras: int, max_lora_rank: int, max_model_len: int | None = None
+                ) -> tuple[bool, int, str | None]:
+        """``(starts, kv_tokens, error_type)``: would vLLM start with these flags?"""
+        mml = self.max_model_len if max_model_len is None else max_model_len
+        p = self._measured(max_loras, max_lora_rank)
+        kv = self.kv_tokens(max_loras, max_lora_rank)
+        if p is not None and mml == self.max_model_len:
+            if p.kv_tokens is None:
+                return False, max(kv, 0), p.error_type or "kv_cache_insufficient"
+            return True, int(p.kv_tokens), None
+        if kv <= 0:
+            return False, 0, "no_cache_blocks"
+        need = mml if p is not None else (1.0 + self.memory.startup_margin) * mml
+        if kv < need:
+            return False, kv, "kv_cache_insufficient"
+        return True, kv, None
+
+    def max_slots(self, max_lora_rank: int, max_model_len: int | None = None, limit: int = 4096) -> int:
+        """Largest A that starts for this S (0 if none)."""
+        best = 0
+        for a in range(1, limit + 1):
+            if self.startup(a, max_lora_rank, max_model_len)[0]:
+                best = a
+            elif best and self.kv_tokens(a, max_lora_rank) <= 0:
+                break
+        return best
+
+    # ---- adapter loading (twin.md §3.3) ----
+    def activation_ms(self, max_lora_rank: int, rank: int) -> float:
+        """CPU -> GPU activation time; exact table value, else a log-linear fit over the table."""
+        pts = self.loading.activation
+        for p in pts:
+            if p.max_lora_rank == max_lora_rank and p.rank == rank:
+                return p.ms
+        x = np.array([[1.0, math.log2(p.max_lora_rank), math.log2(p.max_lora_rank / p.rank)] for p in pts])
+        y = np.array([p.ms for p in pts])
+        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+        v = float(coef @ [1.0, math.log2(max_lora_rank), math.log2(max_lora_rank / max(rank, 1))])
+        return max(v, float(y.min()) * 0.5)
+
+    def disk_ms(self, rank: int) -> float:
+        """Disk -> CPU load time, linear in rank between table points (clamped outside)."""
+        pts = sorted(self.loading.disk, key=lambda p: p.rank)
+        return float(np.interp(rank, [p.rank for p in pts], [p.ms for p in pts]))
+
+    def file_hash(self) -> str:
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
+def smallest_vllm_rank(rank: int) -> int:
+    """Smallest ``--max-lora-rank`` value vLLM accepts that is >= ``rank``."""
+    for s in VLLM_LORA_RANKS:
+        if s >= rank:
+            return s
+    raise ProfileError(f"adapter rank {rank} exceeds the largest --max-lora-rank vLLM accepts (512)")
+
+
+def load_profile_file(path: str | Path) -> Profile:
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"profile file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ProfileError(f"{path}: not valid YAML ({e.__class__.__name__})") from e
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise ProfileError(f"{path}: field '{loc}': {err['msg']}") from e
+
+
+def available_profiles() -> list[tuple[str, str, Path]]:
+    """Shipped ``(gpu, model, path)`` triples."""
+    out = []
+    for p in sorted(PROFILE_DIR.glob("*__*__*.yaml")):
+        gpu, _ver, model = p.stem.split("__")
+        out.append((gpu, model, p))
+    return out
+
+
+def find_profile(model: str, gpu: str = "h100-64gb") -> Profile:
+    """The shipped profile for ``model`` on ``gpu``."""
+    avail = available_profiles()
+    hits = [p for g, m, p in avail if g == gpu and m == model]
+    if not hits:
+        models = sorted({m for g, m, _ in avail if g == gpu})
+        gpus = sorted({g for g, _, _ in avail})
+        if gpu not in gpus:
+            raise ProfileError(f"unknown gpu '{gpu}': shipped profiles exist for {', '.join(gpus) or 'none'}")
+        raise ProfileError(f"unknown model '{model}' on {gpu}: expected one of {', '.join(models)}")
+    return load_profile_file(hits[-1])
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    """Write a profile YAML atomically (no half-written file on error)."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,76 @@
+"""Step duration of one engine step, from the profile's estimators (twin.md §3).
+
+``StepModel`` holds the constants for one server (model x GPU x A x S x N_cpu); ``to_array`` packs them
+into a flat float64 vector that the compiled engine reads by index. ``step_ms`` is written in the numba
+subset so both engines use the very same arithmetic (it is the estimator, not the scheduler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# indices into the packed coefficient vector
+C0, C1, P1, A3, LORA_FORM, E0, E1, E2, E3, RANK_SCALE, K0, K1, SB, S0, SW, SWA, SBASE = range(17)
+N_COEF = 17
+
+LORA_NONE, LORA_ADDITIVE, LORA_MULTIPLICATIVE = 0.0, 1.0, 2.0
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Constants of ``base + LoRA + scheduler`` for one server configuration (all times in ms)."""
+
+    c0_ms: float
+    c1_ms_per_req: float
+    p1_ms_per_prefill_token: float = 0.0
+    a3_ms_per_kctx: float = 0.0
+    lora_form: str = "additive"  # "additive" | "multiplicative" | "none"
+    e0_ms: float = 0.0
+    e1_ms_per_token: float = 0.0
+    e2_ms_per_adapter: float = 0.0
+    e3_ms_per_kreq_adapter: float = 0.0  # B x L interaction, per 1000 request-adapters
+    rank_scale: float = 1.0  # (S/8)**gamma, multiplies e1, e2, e3
+    k0_pct: float = 100.0
+    k1_pct_per_adapter: float = 0.0
+    sched_ms_per_running: float = 0.0
+    sched_const_ms: float = 0.0
+    sched_ms_per_waiting: float = 0.0
+    sched_ms_per_waiting_slot_ratio: float = 0.0  # already multiplied by A / N_cpu
+    sched_baseline_ms: float = 0.0
+
+    def to_array(self) -> np.ndarray:
+        form = {"none": LORA_NONE, "additive": LORA_ADDITIVE, "multiplicative": LORA_MULTIPLICATIVE}
+        if self.lora_form not in form:
+            raise ValueError(f"unknown lora_form {self.lora_form!r}")
+        coef = np.zeros(N_COEF, dtype=np.float64)
+        coef[C0], coef[C1], coef[P1], coef[A3] = (
+            self.c0_ms, self.c1_ms_per_req, self.p1_ms_per_prefill_token, self.a3_ms_per_kctx)
+        coef[LORA_FORM] = form[self.lora_form]
+        coef[E0], coef[E1], coef[E2], coef[E3] = (
+            self.e0_ms, self.e1_ms_per_token, self.e2_ms_per_adapter, self.e3_ms_per_kreq_adapter)
+        coef[RANK_SCALE], coef[K0], coef[K1] = self.rank_scale, self.k0_pct, self.k1_pct_per_adapter
+        coef[SB], coef[S0], coef[SW], coef[SWA], coef[SBASE] = (
+            self.sched_ms_per_running, self.sched_const_ms, self.sched_ms_per_waiting,
+            self.sched_ms_per_waiting_slot_ratio, self.sched_baseline_ms)
+        return coef
+
+
+def compute_ms(coef: np.ndarray, n_sched: int, n_prefill_tokens: int, n_tokens: int,
+               ctx_tokens: float, n_lora: int) -> float:
+    """GPU time of the forward pass: ``base`` plus the LoRA part when the batch uses adapters."""
+    base = (coef[C0] + coef[C1] * n_sched + coef[P1] * n_prefill_tokens
+            + coef[A3] * ctx_tokens / 1000.0)
+    if n_lora <= 0 or coef[LORA_FORM] == LORA_NONE:
+        return base
+    if coef[LORA_FORM] == LORA_MULTIPLICATIVE:
+        return base * (coef[K1] * n_lora + coef[K0]) / 100.0
+    return base + coef[E0] + coef[RANK_SCALE] * (
+        coef[E1] * n_tokens + coef[E2] * n_lora + coef[E3] * n_sched * n_lora / 1000.0)
+
+
+def sched_ms(coef: np.ndarray, n_running: int, n_waiting: int) -> float:
+    """CPU scheduler time of a step (paper form); charged in every non-idle step."""
+    v = (coef[SB] * n_running + coef[S0] + n_waiting * (coef[SW] - coef[SWA]) - coef[SBASE])
+    return v if v > 0.0 else 0.0
