@@ -1,0 +1,154 @@
+"""High-level twin API: profile + server flags + workload + seed -> metrics.
+
+``simulate`` is a pure function of its inputs (the seed included), so runs can be spread over processes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import SpecError
+from ..profile import Profile
+from .engine import simulate_fast
+from .metrics import compute_metrics
+from .steptime import StepModel
+from .types import EngineConfig, EngineResult, RequestArrays
+
+DEFAULT_DURATION_S = 3600.0
+# twin.md §2.6: the real benchmark client plateaued at ~25.5k waiting requests
+REAL_CLIENT_CAP = 25_500
+
+
+@dataclass(frozen=True)
+class ServerFlags:
+    """vLLM server flags the twin models. ``None`` = vLLM's / the profile's default."""
+
+    max_loras: int
+    max_lora_rank: int | None = None  # default: largest served rank
+    max_cpu_loras: int | None = None  # default: number of served adapters (at least max_loras)
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    client_cap: int = 0  # client-saturation cap (twin.md §2.6), 0 = off
+    warm_start: bool = True
+
+
+@dataclass
+class ResolvedServer:
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    starts: bool
+    kv_cache_tokens: int
+    error_type: str | None
+    extra: dict = field(default_factory=dict)
+
+
+def resolve_server(profile: Profile, ranks: np.ndarray, flags: ServerFlags) -> ResolvedServer:
+    """Apply defaults, check the flags against the adapters and the start-up rule (twin.md §3.4)."""
+    n_adapters = len(ranks)
+    if n_adapters == 0:
+        raise SpecError("the workload has no adapters; expected at least one")
+    if flags.max_loras < 1:
+        raise SpecError(f"--max-loras {flags.max_loras}: expected an integer >= 1")
+    max_rank = int(np.max(ranks))
+    s = max_rank if flags.max_lora_rank is None else int(flags.max_lora_rank)
+    if s < max_rank:
+        raise SpecError(f"--max-lora-rank {s} is below the largest adapter rank {max_rank}; "
+                        f"expected --max-lora-rank >= {max_rank}")
+    n_cpu = max(n_adapters, flags.max_loras) if flags.max_cpu_loras is None else int(flags.max_cpu_loras)
+    if n_cpu < flags.max_loras:
+        raise SpecError(f"--max-cpu-loras {n_cpu} is below --max-loras {flags.max_loras}; vLLM requires "
+                        f"max_cpu_loras >= max_loras")
+    mml = profile.max_model_len if flags.max_model_len is None else int(flags.max_model_len)
+    starts, kv, err = profile.startup(flags.max_loras, s, mml)
+    return ResolvedServer(
+        max_loras=int(flags.max_loras), max_lora_rank=s, max_cpu_loras=n_cpu,
+        max_num_batched_tokens=flags.max_num_batched_tokens or profile.max_num_batched_tokens,
+        max_num_seqs=flags.max_num_seqs or profile.max_num_seqs, max_model_len=mml,
+        starts=starts, kv_cache_tokens=int(kv), error_type=err)
+
+
+def step_model(profile: Profile, srv: ResolvedServer) -> StepModel:
+    st, sc = profile.steptime, profile.scheduler
+    return StepModel(
+        c0_ms=st.c0_ms, c1_ms_per_req=st.c1_ms_per_req, p1_ms_per_prefill_token=st.p1_ms_per_prefill_token,
+        a3_ms_per_kctx=st.a3_ms_per_kctx, lora_form=st.lora_form, e0_ms=st.e0_ms,
+        e1_ms_per_token=st.e1_ms_per_token, e2_ms_per_adapter=st.e2_ms_per_adapter,
+        e3_ms_per_kreq_adapter=st.e3_ms_per_kreq_adapter,
+        rank_scale=(srv.max_lora_rank / 8.0) ** st.gamma, k0_pct=st.k0_pct,
+        k1_pct_per_adapter=st.k1_pct_per_adapter,
+        sched_ms_per_running=sc.ms_per_running, sched_const_ms=sc.const_ms,
+        sched_ms_per_waiting=sc.ms_per_waiting,
+        sched_ms_per_waiting_slot_ratio=sc.ms_per_waiting_slot_ratio * srv.max_loras / srv.max_cpu_loras,
+        sched_baseline_ms=sc.baseline_ms)
+
+
+def engine_config(profile: Profile, ranks: np.ndarray, srv: ResolvedServer, duration_s: float,
+                  client_cap: int = 0, warm_start: bool = True) -> EngineConfig:
+    s = srv.max_lora_rank
+    act = {int(r): profile.activation_ms(s, int(r)) for r in np.unique(ranks)}
+    disk = {int(r): profile.disk_ms(int(r)) for r in np.unique(ranks)}
+    return EngineConfig(
+        load_ms=np.array([act[int(r)] for r in ranks]), disk_ms=np.array([disk[int(r)] for r in ranks]),
+        max_loras=srv.max_loras, max_cpu_loras=srv.max_cpu_loras,
+        kv_blocks=srv.kv_cache_tokens // profile.block_size, step_coef=step_model(profile, srv).to_array(),
+        duration_s=duration_s, max_num_seqs=srv.max_num_seqs,
+        max_num_batched_tokens=srv.max_num_batched_tokens, block_size=profile.block_size,
+        warm_gpu=warm_start, warm_cpu=True, client_cap=client_cap)
+
+
+def oom_metrics(srv: ResolvedServer, n_generated: int) -> dict:
+    nan = float("nan")
+    return {
+        "oom": True, "error_type": srv.error_type, "kv_cache_tokens": srv.kv_cache_tokens,
+        "throughput_tok_s": 0.0, "input_tok_s": 0.0, "output_tok_s": 0.0, "incoming_tok_s": nan,
+        "throughput_ratio": nan, "starved": None, "itl_mean_ms": nan, "tpot_mean_ms": nan,
+        "ttft_mean_ms": nan, "ttft_median_ms": nan, "ttft_p99_ms": nan, "ttft_penalised_mean_ms": nan,
+        "n_arrived": n_generated, "n_completed": 0, "n_generated": n_generated,
+    }
+
+
+def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, flags: ServerFlags,
+                      duration_s: float = DEFAULT_DURATION_S) -> tuple[dict, EngineResult | None]:
+    """Run the twin on given arrivals. Returns ``(metrics, engine_result)``; the result is None on OOM."""
+    if not math.isfinite(duration_s) or duration_s <= 0:
+        raise SpecError(f"--duration-s {duration_s}: expected a positive number of seconds")
+    srv = resolve_server(profile, ranks, flags)
+    server = {"max_loras": srv.max_loras, "max_lora_rank": srv.max_lora_rank,
+              "max_cpu_loras": srv.max_cpu_loras, "max_num_batched_tokens": srv.max_num_batched_tokens,
+              "max_num_seqs": srv.max_num_seqs, "max_model_len": srv.max_model_len}
+    if not srv.starts:
+        out = oom_metrics(srv, len(req))
+        out["server"] = server
+        return out, None
+    cfg = engine_config(profile, ranks, srv, duration_s, flags.client_cap, flags.warm_start)
+    res = simulate_fast(cfg, req)
+    out = {"oom": False, "error_type": None, "kv_cache_tokens": srv.kv_cache_tokens}
+    out.update(compute_metrics(res, req, duration_s, len(ranks)))
+    out["server"] = server
+    return out, res
+
+
+def simulate(profile: Profile, workload, flags: ServerFlags, duration_s: float | None = None,
+             seed: int = 0) -> tuple[dict, EngineResult | None]:
+    """Generate the workload's arrivals with ``seed`` and simulate them; adds ``wall_s``."""
+    from ..workload import generate_requests
+
+    t0 = time.perf_counter()
+    dur = duration_s or workload.duration_s or DEFAULT_DURATION_S
+    req = generate_requests(workload, dur, seed)
+    out, res = simulate_requests(profile, workload.ranks, req, flags, dur)
+    out["wall_s"] = time.perf_counter() - t0
+    out["duration_s"] = dur
+    out["seed"] = seed
+    out["model"] = profile.model
+    out["gpu"] = profile.gpu
+    return out, res
