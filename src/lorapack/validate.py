@@ -1,0 +1,220 @@
+"""Replay real benchmark runs through the twin and score it (twin.md §8.2).
+
+Each row of a runs CSV (schema of ``shared/data/real-runs/*.csv``) is rebuilt as the real benchmark did:
+``n_adapters`` adapters with ranks from ``rank_counts`` and rates from ``rate_counts``, the rank<->rate
+pairing and the registration order shuffled by the seed, the row's pool mean lengths, its window and
+server flags, and the client-saturation cap on (it is part of the measured system, twin.md §2.6).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DataError, LorapackError
+
+REQUIRED = ("run_id", "model", "n_adapters", "max_loras", "max_lora_rank", "rank_counts", "rate_counts",
+            "status")
+NOISY_RATIO = (0.85, 0.95)  # real labels with a throughput ratio in here are noise (data README §6)
+
+
+def _num(row: dict, key: str, default: float | None = None) -> float | None:
+    v = (row.get(key) or "").strip()
+    if v == "":
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        return default
+
+
+def parse_counts(text: str, kind: type = float) -> list:
+    """``"8:64 16:64"`` -> ``[8]*64 + [16]*64``."""
+    out: list = []
+    for part in text.split():
+        value, _, count = part.partition(":")
+        out.extend([kind(float(value)) if kind is int else kind(value)] * int(count))
+    return out
+
+
+def read_runs(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"runs file not found: {path}")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in REQUIRED if c not in (reader.fieldnames or [])]
+        if missing:
+            raise DataError(f"{path}: missing column(s) {', '.join(missing)}; expected the real-runs schema "
+                            f"(see shared/data/README.md §4)")
+        return list(reader)
+
+
+def build_workload(row: dict, seed: int, lengths: str = "lognormal"):
+    """The row's workload: shuffled rank/rate assignment, pool-mean lengths, Poisson arrivals."""
+    from .spec import Adapter, LengthsSpec, PoissonArrivals, Workload
+
+    n = int(float(row["n_adapters"]))
+    ranks = parse_counts(row["rank_counts"], int)
+    rates = parse_counts(row["rate_counts"], float)
+    if len(ranks) != n or len(rates) != n:
+        raise DataError(f"run {row['run_id']}: rank_counts/rate_counts do not add up to n_adapters={n}")
+    rng = np.random.default_rng([seed, 0x5EED])
+    ranks = np.array(ranks)[rng.permutation(n)]
+    rates = np.array(rates)[rng.permutation(n)]
+    mi = _num(row, "mean_input_tokens", 223.0)
+    mo = _num(row, "mean_output_tokens", 197.0)
+    adapters = [Adapter(adapter_id=f"adapter-{i}", rank=int(ranks[i]), rate_rps=float(rates[i]))
+                for i in range(n)]
+    return Workload(adapters=adapters, lengths=LengthsSpec(kind=lengths, mean_input_tokens=mi,
+                                                           mean_output_tokens=mo),
+                    arrivals=PoissonArrivals(), duration_s=_num(row, "window_s", 3600.0))
+
+
+def _simulate_row(row: dict, seed: int, lengths: str, gpu: str) -> dict:
+    from .profile import find_profile
+    from .twin.run import REAL_CLIENT_CAP, ServerFlags, simulate
+
+    prof = find_profile(row["model"], gpu)
+    wl = build_workload(row, seed, lengths)
+    flags = ServerFlags(
+        max_loras=int(float(row["max_loras"])), max_lora_rank=int(float(row["max_lora_rank"])),
+        max_cpu_loras=int(_num(row, "max_cpu_loras", float(row["n_adapters"]))),
+        max_num_batched_tokens=int(_num(row, "max_num_batched_tokens", prof.max_num_batched_tokens)),
+        max_num_seqs=int(_num(row, "max_num_seqs", prof.max_num_seqs)), client_cap=REAL_CLIENT_CAP)
+    out, _ = simulate(prof, wl, flags, wl.duration_s, seed)
+    keep = ("oom", "error_type", "throughput_tok_s", "itl_mean_ms", "ttft_mean_ms", "starved",
+            "throughput_ratio", "incoming_tok_s", "wall_s", "preemptions", "running_mean", "waiting_max")
+    return {k: out.get(k) for k in keep}
+
+
+def smape(y: np.ndarray, yhat: np.ndarray, factor: float = 1.0) -> float:
+    """``100 * mean(factor * |y - yhat| / (|y| + |yhat|))``; factor 1 = paper convention, 2 = usual."""
+    y, yhat = np.asarray(y, float), np.asarray(yhat, float)
+    ok = np.isfinite(y) & np.isfinite(yhat) & ((np.abs(y) + np.abs(yhat)) > 0)
+    if not ok.any():
+        return float("nan")
+    return float(100.0 * np.mean(factor * np.abs(y[ok] - yhat[ok]) / (np.abs(y[ok]) + np.abs(yhat[ok]))))
+
+
+def _mean(vals: list) -> float | None:
+    xs = [v for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return float(np.mean(xs)) if xs else float("nan")
+
+
+def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb", lengths: str = "lognormal",
+                   workers: int = 0, limit: int | None = None, progress: bool = True) -> dict:
+    """Simulate every row (x seeds) and compare. Returns ``{"models": {...}, "rows": {column: list}}``."""
+    from .profile import available_profiles
+
+    if seeds < 1:
+        raise LorapackError(f"--seeds {seeds}: expected an integer >= 1")
+    if lengths not in ("fixed", "lognormal"):
+        raise LorapackError(f"--lengths {lengths}: expected fixed or lognormal")
+    rows = read_runs(runs_path)
+    if limit is not None:
+        rows = rows[:limit]
+    from .profile import find_profile
+
+    have = {m for g, m, _ in available_profiles() if g == gpu}
+    profiles = {m: find_profile(m, gpu) for m in have}
+    results: dict[int, list[dict]] = {}
+    todo = []
+    for i, r in enumerate(rows):
+        if r["model"] not in have:
+            continue
+        # the start-up rule needs no simulation (and oom rows carry no rates)
+        starts, _kv, err = profiles[r["model"]].startup(int(float(r["max_loras"])), int(float(r["max_lora_rank"])))
+        if not starts:
+            results[i] = [{"oom": True, "error_type": err}]
+        elif (r.get("rate_counts") or "").strip() and (r.get("rank_counts") or "").strip():
+            todo.extend((i, s) for s in range(seeds))
+
+    from joblib import Parallel, delayed
+
+    n_jobs = workers if workers > 0 else -1
+    tasks = (delayed(_simulate_row)(rows[i], s, lengths, gpu) for i, s in todo)
+    gen = Parallel(n_jobs=n_jobs, return_as="generator")(tasks)
+    if progress and todo:
+        from rich.progress import BarColumn, Progress, TimeRemainingColumn
+
+        with Progress("[progress.description]{task.description}", BarColumn(),
+                      "{task.completed}/{task.total}", TimeRemainingColumn(), transient=True) as bar:
+            task = bar.add_task("simulating runs", total=len(todo))
+            for (i, _s), out in zip(todo, gen, strict=True):
+                results.setdefault(i, []).append(out)
+                bar.advance(task)
+    else:
+        for (i, _s), out in zip(todo, gen, strict=True):
+            results.setdefault(i, []).append(out)
+
+    per_row: dict[str, list] = {c: [] for c in (
+        "run_id", "model", "status", "measured_oom", "predicted_oom", "measured_throughput_tok_s",
+        "predicted_throughput_tok_s", "measured_itl_ms", "predicted_itl_ms", "measured_ttft_ms",
+        "predicted_ttft_ms", "measured_starved", "predicted_starved", "measured_throughput_ratio",
+        "predicted_throughput_ratio")}
+    models: dict[str, dict] = {}
+    for i, r in enumerate(rows):
+        m = r["model"]
+        st = models.setdefault(m, {"n_ok": 0, "n_oom": 0, "n_skipped": 0, "_rows": []})
+        if i not in results:
+            st["n_skipped"] += 1
+            continue
+        outs = results[i]
+        pred_oom = outs[0]["oom"]
+        real_oom = r["status"].strip() == "oom"
+        st["n_oom" if real_oom else "n_ok"] += 1
+        if pred_oom:
+            thr = itl = ttft = ratio = float("nan")
+            starved = None
+        else:
+            thr = _mean([o["throughput_tok_s"] for o in outs])
+            itl = _mean([o["itl_mean_ms"] for o in outs])
+            ttft = _mean([o["ttft_mean_ms"] for o in outs])
+            ratio = _mean([o["throughput_ratio"] for o in outs])
+            starved = bool(np.mean([bool(o["starved"]) for o in outs]) >= 0.5)
+        real_starved = _num(r, "starved")
+        rec = {"run_id": r["run_id"], "model": m, "status": r["status"], "measured_oom": real_oom,
+               "predicted_oom": pred_oom, "measured_throughput_tok_s": _num(r, "throughput_tok_s"),
+               "predicted_throughput_tok_s": thr, "measured_itl_ms": _num(r, "itl_mean_ms"),
+               "predicted_itl_ms": itl, "measured_ttft_ms": _num(r, "ttft_mean_ms"), "predicted_ttft_ms": ttft,
+               "measured_starved": None if real_starved is None else bool(real_starved),
+               "predicted_starved": starved, "measured_throughput_ratio": _num(r, "throughput_ratio"),
+               "predicted_throughput_ratio": ratio}
+        st["_rows"].append(rec)
+        for k, v in rec.items():
+            per_row[k].append(v)
+
+    summary = {}
+    for m, st in models.items():
+        recs = st.pop("_rows")
+        ok = [x for x in recs if not x["measured_oom"] and not x["predicted_oom"]]
+
+        def arr(key: str, rs: list = ok) -> np.ndarray:
+            return np.array([np.nan if x[key] is None else x[key] for x in rs], float)
+
+        lab = [x for x in ok if x["measured_starved"] is not None]
+        clear = [x for x in lab if x["measured_throughput_ratio"] is not None
+                 and not (NOISY_RATIO[0] <= x["measured_throughput_ratio"] <= NOISY_RATIO[1])]
+        agree = [x["measured_starved"] == x["predicted_starved"] for x in lab]
+        agree_clear = [x["measured_starved"] == x["predicted_starved"] for x in clear]
+        oom_agree = [x["measured_oom"] == x["predicted_oom"] for x in recs]
+        summary[m] = {
+            **st,
+            "smape_throughput": smape(arr("measured_throughput_tok_s"), arr("predicted_throughput_tok_s")),
+            "smape_itl": smape(arr("measured_itl_ms"), arr("predicted_itl_ms")),
+            "smape_ttft": smape(arr("measured_ttft_ms"), arr("predicted_ttft_ms")),
+            "smape_throughput_2x": smape(arr("measured_throughput_tok_s"), arr("predicted_throughput_tok_s"), 2),
+            "smape_itl_2x": smape(arr("measured_itl_ms"), arr("predicted_itl_ms"), 2),
+            "smape_ttft_2x": smape(arr("measured_ttft_ms"), arr("predicted_ttft_ms"), 2),
+            "starved_agreement": float(np.mean(agree)) if agree else float("nan"),
+            "starved_agreement_clear": float(np.mean(agree_clear)) if agree_clear else float("nan"),
+            "n_clear": len(clear),
+            "oom_agreement": float(np.mean(oom_agree)) if oom_agree else float("nan"),
+            "oom_false_accept": int(sum(x["measured_oom"] and not x["predicted_oom"] for x in recs)),
+            "oom_false_reject": int(sum(not x["measured_oom"] and x["predicted_oom"] for x in recs)),
+        }
+    return {"models": summary, "rows": per_row}

@@ -1,0 +1,208 @@
+"""Request lengths (prompt tokens P, output tokens O): fixed, ShareGPT-like log-normal, or bootstrapped pairs.
+
+The log-normal fallback (twin.md §5): ``P = round(X)``, ``O = round(Y)`` with independent log-normals ``X``,
+``Y``, kept only if ``P >= 4, O >= 4, P <= 1024, P + O <= 2048`` (the ShareGPT filter of the real runs). The
+four log-normal parameters are solved (scipy ``root``) so that the *post-filter* means are the targets and
+both post-filter CVs are ``cv``. The post-filter moments are computed exactly on the integer grid, so the
+solve is deterministic and takes a few ms; results are cached per target.
+
+Sampling is by inversion, two uniforms per request and no rejection loop: ``P`` from its exact post-filter
+marginal (a table over 4..1024), then ``O`` from its log-normal restricted to ``[4, 2048 - P]``. A fixed number
+of draws per request keeps common random numbers exact: request k of a stream always uses draws 2k, 2k+1.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import root
+from scipy.special import ndtr, ndtri
+
+from ..errors import DataError, SpecError
+from ..spec import LengthsSpec, iter_csv_rows
+
+# ShareGPT filter of the reference runs (twin.md §5)
+MIN_TOKENS = 4
+MAX_INPUT_TOKENS = 1024
+MAX_TOTAL_TOKENS = 2048
+LENGTHS_COLUMNS = ("input_tokens", "output_tokens")
+
+
+@dataclass(frozen=True)
+class LognormalLengths:
+    """Solved parameters of the truncated log-normal length model, plus the P sampling table."""
+
+    mu_in: float
+    sigma_in: float
+    mu_out: float
+    sigma_out: float
+    accept_prob: float  # share of untruncated draws that pass the filter (diagnostic)
+    p_values: np.ndarray  # int32 [4..1024]
+    p_cdf: np.ndarray  # float64, post-filter CDF of P over p_values (last entry 1)
+    p_guide: np.ndarray  # intp [K]: first index with p_cdf > k/K (start of the inverse-CDF search)
+    o_cdf_lo: float  # CDF of the O log-normal at MIN_TOKENS - 0.5
+    o_cdf_hi: np.ndarray  # float64, per P value: CDF of the O log-normal at MAX_TOTAL - P + 0.5
+
+    def moments(self) -> tuple[float, float, float, float]:
+        """Exact post-filter (mean P, CV P, mean O, CV O)."""
+        m = _moments(self.mu_in, self.sigma_in, self.mu_out, self.sigma_out)
+        return m[0], m[1], m[2], m[3]
+
+    def sample(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Map uniforms ``u`` of shape [n, 2] to (P, O) int32 arrays of length n."""
+        u0 = np.ascontiguousarray(u[:, 0])
+        # inverse CDF of P: a guide table gives a start index, then step while cdf <= u (a step or two at
+        # most); 4x faster than a binary search per request
+        idx = self.p_guide[(u0 * len(self.p_guide)).astype(np.intp)]
+        while True:
+            step = self.p_cdf[idx] <= u0
+            if not step.any():
+                break
+            idx += step
+        p = self.p_values[idx]
+        # O conditional on P: its log-normal restricted to [MIN_TOKENS, MAX_TOTAL - P] (on the rounding grid)
+        lo = self.o_cdf_lo
+        v = lo + u[:, 1] * (self.o_cdf_hi[idx] - lo)
+        o = np.rint(np.exp(self.mu_out + self.sigma_out * ndtri(v)))
+        o = np.clip(o, MIN_TOKENS, MAX_TOTAL_TOKENS - p)  # boundaries are hit only by rounding ties
+        return p.astype(np.int32), o.astype(np.int32)
+
+
+def _cdf(x: np.ndarray | float, mu: float, sigma: float) -> np.ndarray:
+    return ndtr((np.log(np.maximum(x, 1e-300)) - mu) / sigma)
+
+
+_P = np.arange(MIN_TOKENS, MAX_INPUT_TOKENS + 1, dtype=np.float64)
+_O = np.arange(0, MAX_TOTAL_TOKENS + 1, dtype=np.float64)
+_O_MAX = (MAX_TOTAL_TOKENS - _P).astype(np.int64)  # largest admissible O for each P
+_GUIDE_SIZE = 1 << 14
+
+
+def _pmf_p(mu: float, sigma: float) -> np.ndarray:
+    return _cdf(_P + 0.5, mu, sigma) - _cdf(_P - 0.5, mu, sigma)
+
+
+def _moments(mu_p: float, s_p: float, mu_o: float, s_o: float) -> tuple[float, float, float, float, float]:
+    """Exact post-filter moments on the integer grid; also the acceptance probability."""
+    fp = _pmf_p(mu_p, s_p)
+    fo = _cdf(_O + 0.5, mu_o, s_o) - _cdf(_O - 0.5, mu_o, s_o)
+    fo[:MIN_TOKENS] = 0.0
+    # cumulative O moments up to o_max(P) give each P's admissible O mass and moments in O(1)
+    c0, c1, c2 = np.cumsum(fo), np.cumsum(_O * fo), np.cumsum(_O * _O * fo)
+    g0, g1, g2 = c0[_O_MAX], c1[_O_MAX], c2[_O_MAX]
+    w = fp * g0
+    z = float(w.sum())
+    if not z > 0:
+        return math.nan, math.nan, math.nan, math.nan, 0.0
+    mp = float((_P * w).sum() / z)
+    vp = float((_P * _P * w).sum() / z) - mp * mp
+    mo = float((fp * g1).sum() / z)
+    vo = float((fp * g2).sum() / z) - mo * mo
+    return mp, math.sqrt(max(vp, 0.0)) / mp, mo, math.sqrt(max(vo, 0.0)) / mo, z
+
+
+@functools.lru_cache(maxsize=64)
+def solve_lognormal_lengths(
+    mean_input_tokens: float, mean_output_tokens: float, cv: float = 1.1
+) -> LognormalLengths:
+    """Log-normal parameters whose post-filter means are the targets and post-filter CVs are ``cv``."""
+
+    def residual(x: np.ndarray) -> list[float]:
+        mp, cp, mo, co, _ = _moments(x[0], math.exp(x[1]), x[2], math.exp(x[3]))
+        return [mp / mean_input_tokens - 1.0, cp - cv, mo / mean_output_tokens - 1.0, co - cv]
+
+    # start from the untruncated log-normal with the target mean and CV; sigmas solved in log space
+    s0 = math.sqrt(math.log1p(cv * cv))
+    x0 = [math.log(mean_input_tokens) - s0 * s0 / 2, math.log(s0), math.log(mean_output_tokens) - s0 * s0 / 2,
+          math.log(s0)]
+    with np.errstate(all="ignore"):
+        sol = root(residual, x0, method="hybr", options={"xtol": 1e-12})
+        err = np.abs(residual(sol.x))
+    if not np.all(np.isfinite(err)) or err.max() > 1e-6:
+        raise SpecError(
+            f"lengths: cannot reach post-filter means {mean_input_tokens:g}/{mean_output_tokens:g} tokens with "
+            f"cv {cv:g} under the ShareGPT filter (P>={MIN_TOKENS}, O>={MIN_TOKENS}, P<={MAX_INPUT_TOKENS}, "
+            f"P+O<={MAX_TOTAL_TOKENS}); expected smaller means or cv, or kind 'empirical'"
+        )
+    mu_p, s_p, mu_o, s_o = float(sol.x[0]), math.exp(sol.x[1]), float(sol.x[2]), math.exp(sol.x[3])
+    fo_ok = _cdf(_O_MAX + 0.5, mu_o, s_o) - _cdf(MIN_TOKENS - 0.5, mu_o, s_o)
+    w = _pmf_p(mu_p, s_p) * fo_ok
+    cdf = np.cumsum(w)
+    accept = float(cdf[-1])
+    cdf /= cdf[-1]
+    cdf[-1] = 1.0
+    cdf.setflags(write=False)
+    p_values = _P.astype(np.int32)
+    guide = np.searchsorted(cdf, np.arange(_GUIDE_SIZE) / _GUIDE_SIZE, side="right").astype(np.intp)
+    o_hi = _cdf(_O_MAX + 0.5, mu_o, s_o)
+    for a in (p_values, guide, o_hi):
+        a.setflags(write=False)
+    return LognormalLengths(mu_p, s_p, mu_o, s_o, accept, p_values, cdf, guide,
+                            float(_cdf(MIN_TOKENS - 0.5, mu_o, s_o)), o_hi)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_lengths_table_cached(path: str, mtime_ns: int, size: int) -> np.ndarray:
+    pairs: list[tuple[int, int]] = []
+    for line, row in iter_csv_rows(Path(path), LENGTHS_COLUMNS, error=DataError):
+        try:
+            p, o = int(row["input_tokens"]), int(row["output_tokens"])
+        except ValueError:
+            raise DataError(f"{path}:{line}: expected integer token counts, got "
+                            f"{row['input_tokens']!r},{row['output_tokens']!r}") from None
+        if p < 1 or o < 1:
+            raise DataError(f"{path}:{line}: expected token counts >= 1, got {p},{o}")
+        pairs.append((p, o))
+    if not pairs:
+        raise DataError(f"{path}:2: no rows; expected at least one input_tokens,output_tokens pair")
+    table = np.asarray(pairs, dtype=np.int32)
+    table.setflags(write=False)
+    return table
+
+
+def load_lengths_table(path: str | Path) -> np.ndarray:
+    """(P, O) pairs from a CSV ``input_tokens,output_tokens`` as a read-only int32 [n, 2] array (cached)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError:
+        raise DataError(f"{p}: file not found") from None
+    return _load_lengths_table_cached(str(p.resolve()), st.st_mtime_ns, st.st_size)
+
+
+def length_draws(spec: LengthsSpec, n: int, rng: np.random.Generator) -> np.ndarray | None:
+    """The random draws behind ``n`` requests' lengths (None for fixed lengths).
+
+    Split from ``lengths_from_draws`` so the generator can draw per adapter stream (common random numbers)
+    and map all adapters' draws in one vectorised call. Draws form a prefix-stable sequence per request.
+    """
+    if spec.kind == "fixed":
+        return None
+    if spec.kind == "lognormal":
+        return rng.random((n, 2))
+    assert spec.path is not None
+    return rng.integers(0, len(load_lengths_table(spec.path)), size=n)
+
+
+def lengths_from_draws(spec: LengthsSpec, draws: np.ndarray | None, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(P, O) int32 arrays of length ``n`` from ``length_draws`` output (possibly concatenated)."""
+    if spec.kind == "fixed":
+        p_tok = max(1, round(spec.mean_input_tokens))
+        o_tok = max(1, round(spec.mean_output_tokens))
+        return np.full(n, p_tok, dtype=np.int32), np.full(n, o_tok, dtype=np.int32)
+    assert draws is not None and len(draws) == n
+    if spec.kind == "lognormal":
+        model = solve_lognormal_lengths(spec.mean_input_tokens, spec.mean_output_tokens, spec.cv)
+        return model.sample(draws.reshape(n, 2))
+    assert spec.path is not None
+    table = load_lengths_table(spec.path)
+    return table[draws, 0].astype(np.int32), table[draws, 1].astype(np.int32)
+
+
+def sample_lengths(spec: LengthsSpec, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` (P, O) pairs as int32 arrays."""
+    return lengths_from_draws(spec, length_draws(spec, n, rng), n)
