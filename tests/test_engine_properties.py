@@ -16,10 +16,17 @@ import importlib.util
 
 import numpy as np
 import pytest
-from engine_cases import Case, build_case, case_params, corner_cases, describe_case
 from hypothesis import HealthCheck, given, settings
 
-from lorapack.twin.reference import FINISHED, NOT_INJECTED, RUNNING, WAITING, run_reference, simulate_reference
+from engine_cases import Case, build_case, case_params, corner_cases, describe_case
+from lorapack.twin.reference import (
+    FINISHED,
+    NOT_INJECTED,
+    RUNNING,
+    WAITING,
+    run_reference,
+    simulate_reference,
+)
 from lorapack.twin.steptime import C0
 from lorapack.twin.types import TIMELINE_COLUMNS, EngineResult
 
@@ -63,7 +70,6 @@ def check_result_properties(case: Case, res: EngineResult) -> None:
     assert injected[:n_inj].all(), "injected requests are not a prefix of the arrivals"
     assert (sent[injected] >= t_arr[injected]).all()
     assert (sent[injected] < duration).all()
-    assert (np.diff(sent[injected]) >= 0).all()
     if cfg.client_cap == 0:
         assert (sent[injected] == t_arr[injected]).all(), "t_sent != t_arr without a client cap"
     has_first = ~np.isnan(first)
@@ -165,7 +171,7 @@ def check_trace(case: Case, res: EngineResult, tr) -> None:
     # per-step records
     steps = tr.steps
     assert res.n_steps == len(steps) == tr.final_step
-    assert res.n_preemptions == sum(len(s.victims) for s in steps)
+    assert res.n_preemptions == sum(len(s.victims) for s in steps) + tr.n_idle_preemptions
     assert res.n_gpu_loads == sum(len(s.gpu_loaded) for s in steps)
     assert res.n_disk_loads == sum(len(s.disk_loaded) for s in steps)
     busy = 0.0

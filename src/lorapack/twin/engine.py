@@ -78,14 +78,19 @@ def _lru_victim(resident, n_res, stamp, step_mark, s):
     return best
 
 
-@njit(cache=True)
-def _core(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
-          max_loras, max_cpu_loras, kv_blocks, duration_s, max_num_seqs, mnbt, bs,
-          warm_gpu, warm_cpu, client_cap, timeline_dt_s):
-    n = t_arr.shape[0]
-    n_ad = load_ms.shape[0]
+# Scalar state lives in two small arrays so that a run can pause and resume (``Engine.advance_to``).
+(I_STEP, I_PTR, I_HELD_END, I_PREEMPT_CTR, I_N_PREEMPT, I_N_GPU_LOADS, I_N_DISK_LOADS, I_N_WAITING,
+ I_N_RUN, I_N_ACTIVE, I_N_GPU, I_N_CPU, I_NEXT_SAMPLE, I_FREE, I_N_DONE, I_DONE_TOK, I_N_SENT,
+ I_SENT_TOK, I_INFLIGHT_TOK) = range(19)
+N_ISC = 19
+F_T, F_BUSY, F_SCHED, F_LOAD = range(4)
+N_FSC = 4
 
-    # ---- per-request state ----
+
+@njit(cache=True)
+def _new_state(n, n_ad, max_loras, max_cpu_loras, kv_blocks, max_num_seqs, warm_gpu, warm_cpu,
+               duration_s, timeline_dt_s):
+    """All arrays of one run, with the warm-start adapter caches (semantics doc, "State")."""
     computed = np.zeros(n, np.int64)
     out_done = np.zeros(n, np.int64)
     blocks = np.zeros(n, np.int64)
@@ -95,8 +100,7 @@ def _core(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
     t_first = np.full(n, np.nan)
     t_finish = np.full(n, np.nan)
     n_preempted = np.zeros(n, np.int32)
-
-    # ---- waiting queue: one FIFO per adapter (linked through w_next / w_prev) ----
+    # waiting queue: one FIFO per adapter, linked through w_next / w_prev; two min-trees over head keys
     w_head = np.full(n_ad, -1, np.int64)
     w_tail = np.full(n_ad, -1, np.int64)
     w_next = np.full(n, -1, np.int64)
@@ -108,31 +112,34 @@ def _core(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
     ta_all = np.full(2 * size, -1, np.int64)
     tk_u = np.full(2 * size, INF_KEY, np.int64)
     ta_u = np.full(2 * size, -1, np.int64)
-    n_waiting = 0
-
-    # ---- running list (admission order) and this step's schedule ----
+    # running list (admission order), this step's schedule, running requests per adapter
     cap_run = min(n, max_num_seqs) + 1
     running = np.zeros(cap_run, np.int64)
-    n_run = 0
-    run_count = np.zeros(n_ad, np.int64)  # running requests per adapter
-    n_active = 0  # adapters with running requests (= U when the waiting pass runs)
     sched_r = np.zeros(cap_run, np.int64)
     sched_n = np.zeros(cap_run, np.int64)
-    free = kv_blocks
-
-    # ---- adapter caches (LRU by stamp, ties: lowest index) ----
+    run_count = np.zeros(n_ad, np.int64)
+    # adapter caches: LRU by stamp (ties: lowest index)
     gpu_res = np.zeros(max(max_loras, 1), np.int64)
-    n_gpu = 0
     in_gpu = np.zeros(n_ad, np.bool_)
     cpu_res = np.zeros(max(max_cpu_loras, 1), np.int64)
-    n_cpu = 0
     in_cpu = np.zeros(n_ad, np.bool_)
     gpu_stamp = np.zeros(n_ad, np.int64)
     cpu_stamp = np.zeros(n_ad, np.int64)
     step_mark = np.full(n_ad, -1, np.int64)
+    u_list = np.zeros(max(max_loras, 1) + 1, np.int64)
+    n_samples = 0
+    while n_samples * timeline_dt_s < duration_s:
+        n_samples += 1
+    timeline = np.zeros((n_samples, 7))
+
+    isc = np.zeros(N_ISC, np.int64)
+    fsc = np.zeros(N_FSC, np.float64)
+    isc[I_FREE] = kv_blocks
     for a in range(n_ad):
         gpu_stamp[a] = a - n_ad
         cpu_stamp[a] = a - n_ad
+    n_cpu = 0
+    n_gpu = 0
     if warm_cpu:
         for a in range(n_ad - min(max_cpu_loras, n_ad), n_ad):
             in_cpu[a] = True
@@ -147,39 +154,73 @@ def _core(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
                 in_cpu[a] = True
                 cpu_res[n_cpu] = a
                 n_cpu += 1
-    u_list = np.zeros(max(max_loras, 1) + 1, np.int64)
+    isc[I_N_GPU] = n_gpu
+    isc[I_N_CPU] = n_cpu
+    arrays = (computed, out_done, blocks, status, key, t_sent, t_first, t_finish, n_preempted,
+              w_head, w_tail, w_next, w_prev, tk_all, ta_all, tk_u, ta_u,
+              running, sched_r, sched_n, run_count,
+              gpu_res, in_gpu, cpu_res, in_cpu, gpu_stamp, cpu_stamp, step_mark, u_list, timeline)
+    return arrays, isc, fsc
 
-    # ---- timeline ----
-    n_samples = 0
-    while n_samples * timeline_dt_s < duration_s:
-        n_samples += 1
-    timeline = np.zeros((n_samples, 7))
-    next_sample = 0
 
-    # ---- counters ----
-    t = 0.0
-    s = 0
-    ptr = 0
-    held_end = 0
-    preempt_counter = 0
-    n_preemptions = 0
-    n_gpu_loads = 0
-    n_disk_loads = 0
-    busy_s = 0.0
-    sched_s_total = 0.0
-    load_s_total = 0.0
+@njit(cache=True)
+def _emit_samples(timeline, next_sample, t_upto, inclusive, timeline_dt_s, n_run, n_waiting, kv_blocks,
+                  free, n_preemptions, n_gpu, n_active):
+    """Timeline rows for sample times <= t_upto (or all remaining when ``inclusive`` is False)."""
+    n_samples = timeline.shape[0]
+    while next_sample < n_samples and (not inclusive or next_sample * timeline_dt_s <= t_upto):
+        timeline[next_sample, 0] = next_sample * timeline_dt_s
+        timeline[next_sample, 1] = n_run
+        timeline[next_sample, 2] = n_waiting
+        timeline[next_sample, 3] = (kv_blocks - free) / kv_blocks if kv_blocks > 0 else 0.0
+        timeline[next_sample, 4] = n_preemptions
+        timeline[next_sample, 5] = n_gpu
+        timeline[next_sample, 6] = n_active
+        next_sample += 1
+    return next_sample
 
-    while t < duration_s:
+
+@njit(cache=True)
+def _advance(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
+             max_loras, max_cpu_loras, kv_blocks, duration_s, max_num_seqs, mnbt, bs,
+             client_cap, timeline_dt_s, arrays, isc, fsc, t_stop):
+    """Run steps while ``t < min(t_stop, duration_s)``; the state is read from and written back to
+    ``arrays``/``isc``/``fsc``, so pausing and resuming gives exactly the uninterrupted run."""
+    (computed, out_done, blocks, status, key, t_sent, t_first, t_finish, n_preempted,
+     w_head, w_tail, w_next, w_prev, tk_all, ta_all, tk_u, ta_u,
+     running, sched_r, sched_n, run_count,
+     gpu_res, in_gpu, cpu_res, in_cpu, gpu_stamp, cpu_stamp, step_mark, u_list, timeline) = arrays
+    n = t_arr.shape[0]
+    size = tk_all.shape[0] // 2
+    s = isc[I_STEP]
+    ptr = isc[I_PTR]
+    held_end = isc[I_HELD_END]
+    preempt_counter = isc[I_PREEMPT_CTR]
+    n_preemptions = isc[I_N_PREEMPT]
+    n_gpu_loads = isc[I_N_GPU_LOADS]
+    n_disk_loads = isc[I_N_DISK_LOADS]
+    n_waiting = isc[I_N_WAITING]
+    n_run = isc[I_N_RUN]
+    n_active = isc[I_N_ACTIVE]  # adapters with running requests (= U when the waiting pass runs)
+    n_gpu = isc[I_N_GPU]
+    n_cpu = isc[I_N_CPU]
+    next_sample = isc[I_NEXT_SAMPLE]
+    free = isc[I_FREE]
+    n_done = isc[I_N_DONE]
+    done_tok = isc[I_DONE_TOK]
+    n_sent = isc[I_N_SENT]
+    sent_tok = isc[I_SENT_TOK]
+    inflight_tok = isc[I_INFLIGHT_TOK]
+    t = fsc[F_T]
+    busy_s = fsc[F_BUSY]
+    sched_s_total = fsc[F_SCHED]
+    load_s_total = fsc[F_LOAD]
+    t_end_loop = min(t_stop, duration_s)
+
+    while t < t_end_loop:
         # 0. timeline samples up to now
-        while next_sample < n_samples and next_sample * timeline_dt_s <= t:
-            timeline[next_sample, 0] = next_sample * timeline_dt_s
-            timeline[next_sample, 1] = n_run
-            timeline[next_sample, 2] = n_waiting
-            timeline[next_sample, 3] = (kv_blocks - free) / kv_blocks if kv_blocks > 0 else 0.0
-            timeline[next_sample, 4] = n_preemptions
-            timeline[next_sample, 5] = n_gpu
-            timeline[next_sample, 6] = n_active
-            next_sample += 1
+        next_sample = _emit_samples(timeline, next_sample, t, True, timeline_dt_s, n_run, n_waiting,
+                                    kv_blocks, free, n_preemptions, n_gpu, n_active)
 
         # 1. inject arrivals (client-saturation cap holds them back)
         while ptr < n and t_arr[ptr] <= t:
@@ -192,6 +233,9 @@ def _core(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
                 break
             r = ptr
             t_sent[r] = t if r < held_end else t_arr[r]
+            n_sent += 1
+            sent_tok += p_tok[r] + o_tok[r]
+            inflight_tok += p_tok[r] + o_tok[r]
             status[r] = WAITING
             key[r] = r
             a = adapter[r]
@@ -384,6 +428,10 @@ def _core(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
                     status[r] = FINISHED
                     free += blocks[r]
                     blocks[r] = 0
+                    inflight_tok -= p_tok[r] + o_tok[r]
+                    if t_end <= duration_s:
+                        n_done += 1
+                        done_tok += p_tok[r] + o_tok[r]
                     a = adapter[r]
                     run_count[a] -= 1
                     if run_count[a] == 0:
@@ -405,37 +453,105 @@ def _core(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
         sched_s_total += step_sched_ms / 1000.0
         load_s_total += step_load_ms / 1000.0
 
-    while next_sample < n_samples:
-        timeline[next_sample, 0] = next_sample * timeline_dt_s
-        timeline[next_sample, 1] = n_run
-        timeline[next_sample, 2] = n_waiting
-        timeline[next_sample, 3] = (kv_blocks - free) / kv_blocks if kv_blocks > 0 else 0.0
-        timeline[next_sample, 4] = n_preemptions
-        timeline[next_sample, 5] = n_gpu
-        timeline[next_sample, 6] = n_active
-        next_sample += 1
+    if t >= duration_s:  # the run is over: the remaining samples show the final state
+        next_sample = _emit_samples(timeline, next_sample, t, False, timeline_dt_s, n_run, n_waiting,
+                                    kv_blocks, free, n_preemptions, n_gpu, n_active)
+    isc[I_STEP] = s
+    isc[I_PTR] = ptr
+    isc[I_HELD_END] = held_end
+    isc[I_PREEMPT_CTR] = preempt_counter
+    isc[I_N_PREEMPT] = n_preemptions
+    isc[I_N_GPU_LOADS] = n_gpu_loads
+    isc[I_N_DISK_LOADS] = n_disk_loads
+    isc[I_N_WAITING] = n_waiting
+    isc[I_N_RUN] = n_run
+    isc[I_N_ACTIVE] = n_active
+    isc[I_N_GPU] = n_gpu
+    isc[I_N_CPU] = n_cpu
+    isc[I_NEXT_SAMPLE] = next_sample
+    isc[I_FREE] = free
+    isc[I_N_DONE] = n_done
+    isc[I_DONE_TOK] = done_tok
+    isc[I_N_SENT] = n_sent
+    isc[I_SENT_TOK] = sent_tok
+    isc[I_INFLIGHT_TOK] = inflight_tok
+    fsc[F_T] = t
+    fsc[F_BUSY] = busy_s
+    fsc[F_SCHED] = sched_s_total
+    fsc[F_LOAD] = load_s_total
 
-    counters = np.array([s, n_preemptions, n_gpu_loads, n_disk_loads], np.int64)
-    times = np.array([busy_s, sched_s_total, load_s_total])
-    return t_sent, t_first, t_finish, n_preempted, counters, times, timeline
+
+class Engine:
+    """One server run that can pause and resume: ``advance_to(t)`` then ``result()``.
+
+    ``run(cfg, req)`` (= ``simulate_fast``) is ``Engine(cfg, req).advance_to(inf).result()``. Pausing never
+    changes the outcome: a pause happens between two steps, exactly where the uninterrupted loop would be.
+    """
+
+    def __init__(self, cfg: EngineConfig, req: RequestArrays, compiled: bool = True) -> None:
+        self.cfg, self.req = cfg, req
+        self._new = _new_state if compiled else _new_state.py_func
+        self._adv = _advance if compiled else _advance.py_func
+        self.arrays, self.isc, self.fsc = self._new(
+            len(req), cfg.n_adapters, int(cfg.max_loras), int(cfg.max_cpu_loras), int(cfg.kv_blocks),
+            int(cfg.max_num_seqs), bool(cfg.warm_gpu), bool(cfg.warm_cpu), float(cfg.duration_s),
+            float(cfg.timeline_dt_s))
+
+    @property
+    def t_s(self) -> float:
+        """Simulated time: the end of the last step (or of the last idle jump)."""
+        return float(self.fsc[F_T])
+
+    @property
+    def done(self) -> bool:
+        return self.t_s >= self.cfg.duration_s
+
+    def advance_to(self, t_stop_s: float) -> Engine:
+        cfg, req = self.cfg, self.req
+        self._adv(req.t_arr_s, req.adapter, req.prompt_tokens, req.output_tokens, cfg.load_ms, cfg.disk_ms,
+                  cfg.step_coef, int(cfg.max_loras), int(cfg.max_cpu_loras), int(cfg.kv_blocks),
+                  float(cfg.duration_s), int(cfg.max_num_seqs), int(cfg.max_num_batched_tokens),
+                  int(cfg.block_size), int(cfg.client_cap), float(cfg.timeline_dt_s), self.arrays, self.isc,
+                  self.fsc, float(t_stop_s))
+        return self
+
+    def snapshot(self) -> dict:
+        """Counters a router or an early-stop rule may look at (cheap: no per-request work)."""
+        isc = self.isc
+        tk_all = self.arrays[13]
+        size = tk_all.shape[0] // 2
+        head_key = tk_all[1]
+        oldest_wait_s = 0.0
+        if isc[I_N_WAITING] > 0 and head_key < INF_KEY:
+            r = self.arrays[9][self.arrays[14][1]]  # head of the adapter holding the smallest key
+            oldest_wait_s = self.t_s - float(self.arrays[5][r])
+        del size
+        return {
+            "t_s": self.t_s, "num_requests_running": int(isc[I_N_RUN]),
+            "num_requests_waiting": int(isc[I_N_WAITING]), "kv_used_blocks": int(self.cfg.kv_blocks - isc[I_FREE]),
+            "n_sent": int(isc[I_N_SENT]), "sent_tokens": int(isc[I_SENT_TOK]),
+            "n_completed": int(isc[I_N_DONE]), "completed_tokens": int(isc[I_DONE_TOK]),
+            "inflight_tokens": int(isc[I_INFLIGHT_TOK]), "next_arrival": int(isc[I_PTR]),
+            "n_preemptions": int(isc[I_N_PREEMPT]), "n_gpu_loads": int(isc[I_N_GPU_LOADS]),
+            "oldest_wait_s": oldest_wait_s, "busy_s": float(self.fsc[F_BUSY]), "steps": int(isc[I_STEP]),
+        }
+
+    def result(self) -> EngineResult:
+        a, isc, fsc = self.arrays, self.isc, self.fsc
+        timeline = a[29]
+        n_rows = int(isc[I_NEXT_SAMPLE])
+        return EngineResult(
+            t_sent_s=a[5], t_first_s=a[6], t_finish_s=a[7], n_preempted=a[8],
+            n_steps=int(isc[I_STEP]), n_preemptions=int(isc[I_N_PREEMPT]), n_gpu_loads=int(isc[I_N_GPU_LOADS]),
+            n_disk_loads=int(isc[I_N_DISK_LOADS]), busy_s=float(fsc[F_BUSY]), sched_s=float(fsc[F_SCHED]),
+            load_s=float(fsc[F_LOAD]), held_end=int(isc[I_HELD_END]),
+            timeline={name: timeline[:n_rows, j] for j, name in enumerate(TIMELINE_COLUMNS)},
+        )
 
 
 def simulate_fast(cfg: EngineConfig, req: RequestArrays, compiled: bool = True) -> EngineResult:
     """Simulate one server over ``[0, cfg.duration_s)``; ``compiled=False`` runs the same code uncompiled."""
-    fn = _core if compiled else _core.py_func
-    out = fn(req.t_arr_s, req.adapter, req.prompt_tokens, req.output_tokens, cfg.load_ms, cfg.disk_ms,
-             cfg.step_coef, int(cfg.max_loras), int(cfg.max_cpu_loras), int(cfg.kv_blocks),
-             float(cfg.duration_s), int(cfg.max_num_seqs), int(cfg.max_num_batched_tokens),
-             int(cfg.block_size), bool(cfg.warm_gpu), bool(cfg.warm_cpu), int(cfg.client_cap),
-             float(cfg.timeline_dt_s))
-    t_sent, t_first, t_finish, n_preempted, counters, times, timeline = out
-    return EngineResult(
-        t_sent_s=t_sent, t_first_s=t_first, t_finish_s=t_finish, n_preempted=n_preempted,
-        n_steps=int(counters[0]), n_preemptions=int(counters[1]), n_gpu_loads=int(counters[2]),
-        n_disk_loads=int(counters[3]), busy_s=float(times[0]), sched_s=float(times[1]),
-        load_s=float(times[2]),
-        timeline={name: timeline[:, j] for j, name in enumerate(TIMELINE_COLUMNS)},
-    )
+    return Engine(cfg, req, compiled).advance_to(float("inf")).result()
 
 
 def warm_up() -> float:

@@ -25,7 +25,11 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     """Run-level metrics plus per-adapter starvation (twin.md §4.2 extension)."""
     p = req.prompt_tokens.astype(np.int64)
     o = req.output_tokens.astype(np.int64)
-    sent = np.isfinite(res.t_sent_s) & (res.t_sent_s < duration_s)
+    # sent: arrived in the window and not held back by the client cap at the end (a request arriving
+    # during the last step was sent although the engine never injected it)
+    injected = np.isfinite(res.t_sent_s)
+    not_held = np.arange(len(req)) >= res.held_end
+    sent = (req.t_arr_s < duration_s) & (injected | not_held) & ~(injected & (res.t_sent_s >= duration_s))
     done = sent & np.isfinite(res.t_finish_s) & (res.t_finish_s <= duration_s)
     n_sent, n_done = int(sent.sum()), int(done.sum())
 
@@ -34,7 +38,7 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     throughput = input_tok_s + output_tok_s
     incoming = float((p[sent] + o[sent]).sum()) / duration_s
 
-    ttft_ms = (res.t_first_s[done] - res.t_sent_s[done]) * 1000.0
+    ttft_ms = (res.t_first_s[done] - res.t_sent_s[done]) * 1000.0  # completed => injected
     gaps = o[done] - 1
     span_s = res.t_finish_s[done] - res.t_first_s[done]
     itl = float(span_s.sum() / gaps.sum() * 1000.0) if gaps.sum() > 0 else float("nan")

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import SpecError
 from ..profile import Profile
+from .early import EarlyStopOptions, run_with_early_stop
 from .engine import simulate_fast
 from .metrics import compute_metrics
 from .steptime import StepModel
@@ -68,6 +69,15 @@ def resolve_server(profile: Profile, ranks: np.ndarray, flags: ServerFlags) -> R
         raise SpecError(f"--max-cpu-loras {n_cpu} is below --max-loras {flags.max_loras}; vLLM requires "
                         f"max_cpu_loras >= max_loras")
     mml = profile.max_model_len if flags.max_model_len is None else int(flags.max_model_len)
+    if not 1 <= mml <= profile.max_model_len:
+        raise SpecError(f"--max-model-len {mml}: expected an integer between 1 and the model's maximum "
+                        f"{profile.max_model_len}")
+    for name, v in (("--max-num-batched-tokens", flags.max_num_batched_tokens),
+                    ("--max-num-seqs", flags.max_num_seqs)):
+        if v is not None and v < 1:
+            raise SpecError(f"{name} {v}: expected an integer >= 1")
+    if flags.client_cap < 0:
+        raise SpecError(f"--client-cap {flags.client_cap}: expected an integer >= 0 (0 = off)")
     starts, kv, err = profile.startup(flags.max_loras, s, mml)
     return ResolvedServer(
         max_loras=int(flags.max_loras), max_lora_rank=s, max_cpu_loras=n_cpu,
@@ -78,10 +88,13 @@ def resolve_server(profile: Profile, ranks: np.ndarray, flags: ServerFlags) -> R
 
 def step_model(profile: Profile, srv: ResolvedServer) -> StepModel:
     st, sc = profile.steptime, profile.scheduler
+    slots = st.e4_ms_per_ktok_slot * srv.max_loras / 1000.0  # per-token cost of the slot grid
+    e1p = st.e1_ms_per_token if st.e1p_ms_per_prefill_token is None else st.e1p_ms_per_prefill_token
     return StepModel(
         c0_ms=st.c0_ms, c1_ms_per_req=st.c1_ms_per_req, p1_ms_per_prefill_token=st.p1_ms_per_prefill_token,
         a3_ms_per_kctx=st.a3_ms_per_kctx, lora_form=st.lora_form, e0_ms=st.e0_ms,
-        e1_ms_per_token=st.e1_ms_per_token, e2_ms_per_adapter=st.e2_ms_per_adapter,
+        e1_ms_per_token=st.e1_ms_per_token + slots, e1p_ms_per_prefill_token=e1p + slots,
+        e2_ms_per_adapter=st.e2_ms_per_adapter,
         e3_ms_per_kreq_adapter=st.e3_ms_per_kreq_adapter,
         rank_scale=(srv.max_lora_rank / 8.0) ** st.gamma, k0_pct=st.k0_pct,
         k1_pct_per_adapter=st.k1_pct_per_adapter,
@@ -117,8 +130,12 @@ def oom_metrics(srv: ResolvedServer, n_generated: int) -> dict:
 
 
 def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, flags: ServerFlags,
-                      duration_s: float = DEFAULT_DURATION_S) -> tuple[dict, EngineResult | None]:
-    """Run the twin on given arrivals. Returns ``(metrics, engine_result)``; the result is None on OOM."""
+                      duration_s: float = DEFAULT_DURATION_S, early_stop: EarlyStopOptions | None = None
+                      ) -> tuple[dict, EngineResult | None]:
+    """Run the twin on given arrivals. Returns ``(metrics, engine_result)``; the result is None on OOM.
+
+    With ``early_stop`` the run may end before ``duration_s`` (``stop_reason``, ``simulated_s`` say so) and
+    the run-level metrics are extrapolated (``twin.early``); the engine result is then partial."""
     if not math.isfinite(duration_s) or duration_s <= 0:
         raise SpecError(f"--duration-s {duration_s}: expected a positive number of seconds")
     srv = resolve_server(profile, ranks, flags)
@@ -130,22 +147,30 @@ def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, f
         out["server"] = server
         return out, None
     cfg = engine_config(profile, ranks, srv, duration_s, flags.client_cap, flags.warm_start)
-    res = simulate_fast(cfg, req)
     out = {"oom": False, "error_type": None, "kv_cache_tokens": srv.kv_cache_tokens}
-    out.update(compute_metrics(res, req, duration_s, len(ranks)))
+    if early_stop is not None:
+        res, metrics, _eng = run_with_early_stop(cfg, req, early_stop)
+        out.update(metrics)
+    else:
+        res = simulate_fast(cfg, req)
+        out.update(compute_metrics(res, req, duration_s, len(ranks)))
+        out.update(stop_reason="full", simulated_s=duration_s)
     out["server"] = server
     return out, res
 
 
 def simulate(profile: Profile, workload, flags: ServerFlags, duration_s: float | None = None,
-             seed: int = 0) -> tuple[dict, EngineResult | None]:
+             seed: int = 0, early_stop: EarlyStopOptions | None = None) -> tuple[dict, EngineResult | None]:
     """Generate the workload's arrivals with ``seed`` and simulate them; adds ``wall_s``."""
     from ..workload import generate_requests
 
     t0 = time.perf_counter()
-    dur = duration_s or workload.duration_s or DEFAULT_DURATION_S
+    # an explicit 0 is an error, not "use the default"
+    dur = duration_s if duration_s is not None else (workload.duration_s or DEFAULT_DURATION_S)
+    if not math.isfinite(dur) or dur <= 0:
+        raise SpecError(f"--duration-s {dur:g}: expected a positive number of seconds")
     req = generate_requests(workload, dur, seed)
-    out, res = simulate_requests(profile, workload.ranks, req, flags, dur)
+    out, res = simulate_requests(profile, workload.ranks, req, flags, dur, early_stop)
     out["wall_s"] = time.perf_counter() - t0
     out["duration_s"] = dur
     out["seed"] = seed

@@ -8,9 +8,12 @@ Time conventions (shared by both engines):
   that starts before the end is completed and its events are recorded at the step end time;
 * a request counts as completed when ``t_finish_s <= duration_s``;
 * ``t_sent_s`` is the arrival time, or, for a request held back by the client-saturation cap, the step
-  start at which it was finally injected; it stays NaN for requests never injected before the end;
-* timeline samples are taken at ``k * timeline_dt_s < duration_s`` and show the state after the last
-  step that ended at or before the sample time.
+  start at which it was finally injected; it stays NaN for requests never injected before the end (held
+  back — index < ``held_end`` — or arrived during the last step);
+* a request is *sent* when ``t_arr_s < duration_s`` and it was not held back at the end, i.e. its index is
+  ``>= held_end`` or it was injected;
+* timeline samples are taken at ``k * timeline_dt_s < duration_s``; each is emitted at the first loop
+  start at or after it (so it shows the state after the step that was running at the sample time).
 """
 
 from __future__ import annotations
@@ -101,4 +104,5 @@ class EngineResult:
     busy_s: float = 0.0  # sum of step durations
     sched_s: float = 0.0  # sum of scheduler (CPU) time
     load_s: float = 0.0  # sum of adapter load time
+    held_end: int = 0  # arrivals with a lower index were held back by the client cap at some point
     timeline: dict[str, np.ndarray] = field(default_factory=dict)  # TIMELINE_COLUMNS -> arrays

@@ -1,0 +1,492 @@
+"""The reference engine: a slow, literal transcription of ``docs/engine-semantics.md``.
+
+This module exists only to check the fast engine (``engine.simulate_fast``). It is written to be reviewed
+line by line against ``docs/engine-semantics.md`` and twin.md §2.2: plain Python lists, a
+``collections.deque`` for the waiting queue, sets for the adapter caches, loops over every request in
+every step. It is deliberately unoptimised; never use it for real simulations.
+
+Numbered comments (``# 0.`` ... ``# 7.``) refer to the numbered items of the semantics doc's loop.
+
+``simulate_reference(cfg, req)`` returns the ``EngineResult``. ``run_reference`` also returns a
+``ReferenceTrace`` with the final per-request state, token accounting and (optionally) a per-step log, so
+the tests can check conservation laws and hand-computed cases.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .steptime import compute_ms, sched_ms
+from .types import TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays
+
+# request status
+NOT_INJECTED, WAITING, RUNNING, FINISHED = 0, 1, 2, 3
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class StepRecord:
+    """Everything that happened in one (non-idle) step; recorded when ``record_steps=True``."""
+
+    s: int  # step index
+    t_start: float  # s
+    t_end: float  # s
+    injected: tuple[int, ...]  # requests pushed to the waiting tail at the start of this step
+    scheduled: tuple[tuple[int, int], ...]  # (request, tokens) in scheduling order
+    admitted: tuple[int, ...]  # requests moved from waiting to running by the waiting pass
+    victims: tuple[int, ...]  # preempted requests, in preemption order
+    finished: tuple[int, ...]
+    u_step: tuple[int, ...]  # distinct adapters of the scheduled requests, increasing
+    disk_loaded: tuple[int, ...]
+    gpu_loaded: tuple[int, ...]
+    cpu_evicted: tuple[int, ...]
+    gpu_evicted: tuple[int, ...]  # explicit GPU evictions (not those caused by a CPU eviction)
+    budget_left: int
+    n_running: int  # len(running) after the passes (the sched_ms argument)
+    n_waiting: int  # len(waiting) after the passes (the sched_ms argument)
+    b: int
+    n_pf: int
+    n_tok: int
+    b_dec: int
+    ctx: int
+    n_lora: int
+    sched_ms: float
+    load_ms: float
+    compute_ms: float
+    dt_s: float
+
+
+@dataclass
+class ReferenceTrace:
+    """Final state and bookkeeping of a reference run (for tests)."""
+
+    final_t_s: float
+    final_step: int
+    status: np.ndarray  # int8 [n]: NOT_INJECTED / WAITING / RUNNING / FINISHED
+    computed: np.ndarray  # int64 [n], final
+    out_done: np.ndarray  # int64 [n], final
+    blocks: np.ndarray  # int64 [n], final
+    tokens_scheduled: np.ndarray  # int64 [n]: Σ n over every step that scheduled the request
+    tokens_lost: np.ndarray  # int64 [n]: Σ computed discarded by preemptions of the request
+    tokens_computed_total: int  # Σ over steps of Σ n (= n_tok summed over steps)
+    final_running: list[int]
+    final_waiting: list[int]  # head first
+    ptr: int  # arrivals [0, ptr) were injected
+    held_end: int  # arrivals [ptr, held_end) were held back by the client cap (if held_end > ptr)
+    free_blocks: int
+    gpu_resident: list[int]
+    cpu_resident: list[int]
+    n_idle: int  # idle iterations (no step)
+    n_idle_preemptions: int  # preemptions in idle iterations (a running pass that preempted everything)
+    max_running: int
+    max_u_step: int
+    steps: list[StepRecord] = field(default_factory=list)
+
+
+def simulate_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool = False) -> EngineResult:
+    """Run the literal reference engine; see ``docs/engine-semantics.md``."""
+    return run_reference(cfg, req, check_invariants=check_invariants)[0]
+
+
+def _validate(cfg: EngineConfig, req: RequestArrays) -> None:
+    n_adapters = cfg.n_adapters
+    if n_adapters < 1:
+        raise ValueError("need at least one adapter")
+    if cfg.kv_blocks < 0 or cfg.block_size < 1 or cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
+        raise ValueError("kv_blocks >= 0, block_size, max_num_seqs, max_num_batched_tokens >= 1 required")
+    if not cfg.timeline_dt_s > 0.0:
+        raise ValueError("timeline_dt_s must be > 0")
+    if len(req) > 0:
+        if np.any(np.diff(req.t_arr_s) < 0.0) or np.any(~np.isfinite(req.t_arr_s)):
+            raise ValueError("t_arr_s must be finite and sorted")
+        if req.adapter.min() < 0 or req.adapter.max() >= n_adapters:
+            raise ValueError("adapter index out of range")
+        if req.prompt_tokens.min() < 1 or req.output_tokens.min() < 1:
+            raise ValueError("prompt_tokens and output_tokens must be >= 1")
+
+
+def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool = False,
+                  record_steps: bool = False) -> tuple[EngineResult, ReferenceTrace]:
+    """Run the literal reference engine; return the result and a ``ReferenceTrace``.
+
+    ``check_invariants`` asserts the invariants of twin.md §8.1 item 2 after every step;
+    ``record_steps`` keeps a ``StepRecord`` per step in ``trace.steps``.
+    """
+    _validate(cfg, req)
+
+    # ---------------------------------------------------------------- inputs as plain Python values
+    n = len(req)
+    n_adapters = cfg.n_adapters
+    max_loras = int(cfg.max_loras)
+    max_cpu_loras = int(cfg.max_cpu_loras)
+    kv_blocks = int(cfg.kv_blocks)
+    bs = int(cfg.block_size)
+    mns = int(cfg.max_num_seqs)
+    mnbt = int(cfg.max_num_batched_tokens)
+    client_cap = int(cfg.client_cap)
+    duration = float(cfg.duration_s)
+    tl_dt = float(cfg.timeline_dt_s)
+    coef = cfg.step_coef
+    adapter_load_ms = [float(x) for x in cfg.load_ms]
+    adapter_disk_ms = [float(x) for x in cfg.disk_ms]
+
+    t_arr = [float(x) for x in req.t_arr_s]
+    adapter = [int(x) for x in req.adapter]
+    prompt = [int(x) for x in req.prompt_tokens]
+    output = [int(x) for x in req.output_tokens]
+
+    # ---------------------------------------------------------------- state
+    nan = float("nan")
+    computed = [0] * n
+    out_done = [0] * n
+    blocks = [0] * n
+    status = [NOT_INJECTED] * n
+    t_sent = [nan] * n
+    t_first = [nan] * n
+    t_finish = [nan] * n
+    n_preempted = [0] * n
+    tokens_scheduled = [0] * n
+    tokens_lost = [0] * n
+
+    def pending(r: int) -> int:
+        return prompt[r] + out_done[r] - computed[r]
+
+    running: list[int] = []  # admission order
+    waiting: deque[int] = deque()  # head = left
+    free_blocks = kv_blocks
+
+    # adapters: GPU-resident and CPU-resident sets with LRU stamps (initial stamp[i] = i - N)
+    gpu_resident: set[int] = set()
+    cpu_resident: set[int] = set()
+    gpu_stamp = [i - n_adapters for i in range(n_adapters)]
+    cpu_stamp = [i - n_adapters for i in range(n_adapters)]
+    if cfg.warm_gpu:
+        for a in range(n_adapters - min(max_loras, n_adapters), n_adapters):
+            gpu_resident.add(a)
+    if cfg.warm_cpu:
+        for a in range(n_adapters - min(max_cpu_loras, n_adapters), n_adapters):
+            cpu_resident.add(a)
+    if cfg.warm_gpu and not cfg.warm_cpu:
+        for a in gpu_resident:
+            cpu_resident.add(a)
+
+    # counters
+    s = 0
+    t = 0.0
+    n_steps = 0
+    n_preemptions = 0
+    n_gpu_loads = 0
+    n_disk_loads = 0
+    busy_s = 0.0
+    sched_s = 0.0
+    load_s = 0.0
+    tokens_computed_total = 0
+    n_idle = 0
+    n_idle_preemptions = 0
+    max_running = 0
+    max_u_step = 0
+    steps: list[StepRecord] = []
+
+    ptr = 0
+    held_end = 0
+
+    # ---------------------------------------------------------------- timeline
+    timeline: dict[str, list] = {c: [] for c in TIMELINE_COLUMNS}
+    k_next = 0
+
+    def emit_samples(limit: float) -> None:
+        """Emit every pending sample time tau_k = k * dt with tau_k <= limit and tau_k < duration."""
+        nonlocal k_next
+        while True:
+            tau = k_next * tl_dt
+            if not (tau <= limit and tau < duration):
+                return
+            used = kv_blocks - free_blocks
+            timeline["t_s"].append(tau)
+            timeline["num_requests_running"].append(len(running))
+            timeline["num_requests_waiting"].append(len(waiting))
+            timeline["kv_cache_usage_perc"].append(used / kv_blocks if kv_blocks > 0 else 0.0)
+            timeline["num_preemptions_total"].append(n_preemptions)
+            timeline["num_adapters_resident"].append(len(gpu_resident))
+            timeline["num_adapters_running"].append(len({adapter[r] for r in running}))
+            k_next += 1
+
+    # ---------------------------------------------------------------- the loop
+    while t < duration:
+        # 0. timeline samples up to the current time, with the current state
+        emit_samples(t)
+
+        # 1. inject arrivals with t_arr <= t at the waiting tail (client cap: hold them back)
+        injected: list[int] = []
+        while ptr < n and t_arr[ptr] <= t:
+            if client_cap > 0 and len(waiting) >= client_cap:
+                first_later = ptr
+                while first_later < n and t_arr[first_later] <= t:
+                    first_later += 1
+                held_end = max(held_end, first_later)
+                break
+            r = ptr
+            waiting.append(r)
+            status[r] = WAITING
+            t_sent[r] = t if r < held_end else t_arr[r]
+            injected.append(r)
+            ptr += 1
+
+        # 2. running pass
+        budget = mnbt
+        preempted = False
+        scheduled: list[tuple[int, int]] = []
+        victims: list[int] = []
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            n_r = min(pending(r), budget)
+            stop_running_pass = False
+            while True:
+                need = _ceil_div(computed[r] + n_r, bs) - blocks[r]
+                if need <= free_blocks:
+                    alloc = max(need, 0)
+                    blocks[r] += alloc
+                    free_blocks -= alloc
+                    break
+                v = running.pop()  # preempt the TAIL of running
+                free_blocks += blocks[v]
+                blocks[v] = 0
+                tokens_lost[v] += computed[v]
+                computed[v] = 0
+                n_preempted[v] += 1
+                n_preemptions += 1
+                status[v] = WAITING
+                waiting.appendleft(v)  # victims go to the waiting HEAD
+                victims.append(v)
+                preempted = True
+                if v == r:
+                    stop_running_pass = True
+                    break
+            if stop_running_pass:
+                break
+            scheduled.append((r, n_r))
+            budget -= n_r
+            i += 1
+
+        # 3. waiting pass, only if nothing was preempted in this step
+        admitted: list[int] = []
+        if not preempted:
+            lora_set = {adapter[r] for r, _ in scheduled}
+            skipped: list[int] = []
+            while len(waiting) > 0 and budget > 0:
+                if len(running) == mns:
+                    break
+                r = waiting[0]
+                if len(lora_set) == max_loras and adapter[r] not in lora_set:
+                    skipped.append(waiting.popleft())  # the max_loras skip: keep scanning
+                    continue
+                n_r = min(pending(r), budget)
+                if _ceil_div(n_r, bs) > free_blocks:
+                    break  # r keeps its place (the skipped requests go back in front of it)
+                waiting.popleft()
+                alloc = _ceil_div(n_r, bs)
+                blocks[r] += alloc
+                free_blocks -= alloc
+                running.append(r)
+                status[r] = RUNNING
+                lora_set.add(adapter[r])
+                scheduled.append((r, n_r))
+                admitted.append(r)
+                budget -= n_r
+            for r in reversed(skipped):  # put the skipped requests back at the head, in order
+                waiting.appendleft(r)
+
+        # 4. idle: nothing scheduled -> jump to the next arrival (or the window end), no time charged
+        if len(scheduled) == 0:
+            if check_invariants:
+                assert len(running) == 0, "nothing scheduled but requests are running"
+                assert free_blocks == kv_blocks
+                assert not admitted
+            n_idle += 1
+            n_idle_preemptions += len(victims)
+            if ptr < n and t_arr[ptr] > t:
+                t = t_arr[ptr]
+            else:
+                t = duration
+            continue
+
+        # 5. adapters: touch every adapter of the step, then load the missing ones in increasing index
+        u_step = sorted({adapter[r] for r, _ in scheduled})
+        u_step_set = set(u_step)
+        for a in u_step:
+            gpu_stamp[a] = s
+            cpu_stamp[a] = s
+        step_load_ms = 0.0
+        disk_loaded: list[int] = []
+        gpu_loaded: list[int] = []
+        cpu_evicted: list[int] = []
+        gpu_evicted: list[int] = []
+        for a in u_step:
+            if a in gpu_resident:
+                continue
+            if a not in cpu_resident:
+                if len(cpu_resident) == max_cpu_loras:
+                    candidates = [c for c in cpu_resident if c not in u_step_set]
+                    victim = min(candidates, key=lambda c: (cpu_stamp[c], c))
+                    cpu_resident.remove(victim)
+                    gpu_resident.discard(victim)  # leaving the CPU cache also leaves the GPU
+                    cpu_evicted.append(victim)
+                cpu_resident.add(a)
+                step_load_ms += adapter_disk_ms[a]
+                n_disk_loads += 1
+                disk_loaded.append(a)
+            if len(gpu_resident) == max_loras:
+                candidates = [g for g in gpu_resident if g not in u_step_set]
+                victim = min(candidates, key=lambda g: (gpu_stamp[g], g))
+                gpu_resident.remove(victim)
+                gpu_evicted.append(victim)
+            gpu_resident.add(a)
+            step_load_ms += adapter_load_ms[a]
+            n_gpu_loads += 1
+            gpu_loaded.append(a)
+
+        # 6. step time
+        b = len(scheduled)
+        n_tok = 0
+        b_dec = 0
+        ctx = 0
+        for r, n_r in scheduled:
+            n_tok += n_r
+            if out_done[r] >= 1 and pending(r) == 1:
+                b_dec += 1
+            ctx += computed[r]
+        n_pf = n_tok - b_dec
+        n_lora = len(u_step)
+        step_sched_ms = float(sched_ms(coef, len(running), len(waiting)))
+        step_compute_ms = float(compute_ms(coef, b, n_pf, n_tok, ctx, n_lora))
+        ms = step_sched_ms + step_load_ms + step_compute_ms
+        dt = ms / 1000.0
+
+        n_running_sched = len(running)
+        n_waiting_sched = len(waiting)
+
+        # 7. update at the step end, in scheduling order
+        t_end = t + dt
+        finished: list[int] = []
+        for r, n_r in scheduled:
+            computed[r] += n_r
+            tokens_scheduled[r] += n_r
+            tokens_computed_total += n_r
+            if computed[r] == prompt[r] + out_done[r]:
+                out_done[r] += 1
+                if out_done[r] == 1:
+                    t_first[r] = t_end
+                if out_done[r] == output[r]:
+                    t_finish[r] = t_end
+                    free_blocks += blocks[r]
+                    blocks[r] = 0
+                    running.remove(r)
+                    status[r] = FINISHED
+                    finished.append(r)
+
+        if check_invariants:
+            assert len(u_step) <= max_loras, "|U_step| > A"
+            assert len(gpu_resident) <= max_loras, "GPU-resident adapters > A"
+            assert len(cpu_resident) <= max_cpu_loras, "CPU-resident adapters > N_cpu"
+            assert gpu_resident <= cpu_resident, "a GPU-resident adapter is not CPU-resident"
+            assert u_step_set <= gpu_resident, "a scheduled adapter is not GPU-resident"
+            assert 0 <= free_blocks <= kv_blocks, "free blocks out of range"
+            assert sum(blocks[r] for r in running) == kv_blocks - free_blocks, "block leak"
+            assert sum(blocks) == kv_blocks - free_blocks, "blocks held outside running"
+            assert n_running_sched <= mns and len(running) <= mns, "running > max_num_seqs"
+            assert budget >= 0, "negative budget"
+            assert not (preempted and admitted), "admission in a step that preempted"
+            assert t_end >= t, "time went backwards"
+            assert n_tok <= mnbt, "more tokens than the budget"
+            assert len(set(running)) == len(running)
+            assert len(set(waiting)) == len(waiting)
+            assert not set(running) & set(waiting)
+            assert len({adapter[r] for r in running}) <= max_loras, "running adapters > A"
+            for r in running:
+                assert status[r] == RUNNING
+                assert blocks[r] == _ceil_div(computed[r], bs), "blocks != ceil(computed / BS)"
+                assert 0 < computed[r] <= prompt[r] + out_done[r]
+                assert out_done[r] < output[r]
+            for r in waiting:
+                assert status[r] == WAITING
+                assert computed[r] == 0 and blocks[r] == 0
+            for r, _ in scheduled:
+                assert tokens_scheduled[r] == computed[r] + tokens_lost[r]
+
+        if record_steps:
+            steps.append(StepRecord(
+                s=s, t_start=t, t_end=t_end, injected=tuple(injected), scheduled=tuple(scheduled),
+                admitted=tuple(admitted), victims=tuple(victims), finished=tuple(finished),
+                u_step=tuple(u_step), disk_loaded=tuple(disk_loaded), gpu_loaded=tuple(gpu_loaded),
+                cpu_evicted=tuple(cpu_evicted), gpu_evicted=tuple(gpu_evicted), budget_left=budget,
+                n_running=n_running_sched, n_waiting=n_waiting_sched, b=b, n_pf=n_pf, n_tok=n_tok,
+                b_dec=b_dec, ctx=ctx, n_lora=n_lora, sched_ms=step_sched_ms, load_ms=step_load_ms,
+                compute_ms=step_compute_ms, dt_s=dt))
+
+        max_running = max(max_running, n_running_sched)
+        max_u_step = max(max_u_step, len(u_step))
+        t = t_end
+        s += 1
+        n_steps += 1
+        busy_s += dt
+        sched_s += step_sched_ms / 1000.0
+        load_s += step_load_ms / 1000.0
+
+    # after the loop: the remaining samples with the final state
+    emit_samples(math.inf)
+
+    result = EngineResult(
+        t_sent_s=np.array(t_sent, dtype=np.float64),
+        t_first_s=np.array(t_first, dtype=np.float64),
+        t_finish_s=np.array(t_finish, dtype=np.float64),
+        n_preempted=np.array(n_preempted, dtype=np.int32),
+        n_steps=n_steps,
+        n_preemptions=n_preemptions,
+        n_gpu_loads=n_gpu_loads,
+        n_disk_loads=n_disk_loads,
+        held_end=held_end,
+        busy_s=busy_s,
+        sched_s=sched_s,
+        load_s=load_s,
+        timeline={
+            "t_s": np.array(timeline["t_s"], dtype=np.float64),
+            "num_requests_running": np.array(timeline["num_requests_running"], dtype=np.int64),
+            "num_requests_waiting": np.array(timeline["num_requests_waiting"], dtype=np.int64),
+            "kv_cache_usage_perc": np.array(timeline["kv_cache_usage_perc"], dtype=np.float64),
+            "num_preemptions_total": np.array(timeline["num_preemptions_total"], dtype=np.int64),
+            "num_adapters_resident": np.array(timeline["num_adapters_resident"], dtype=np.int64),
+            "num_adapters_running": np.array(timeline["num_adapters_running"], dtype=np.int64),
+        },
+    )
+    trace = ReferenceTrace(
+        final_t_s=t,
+        final_step=s,
+        status=np.array(status, dtype=np.int8),
+        computed=np.array(computed, dtype=np.int64),
+        out_done=np.array(out_done, dtype=np.int64),
+        blocks=np.array(blocks, dtype=np.int64),
+        tokens_scheduled=np.array(tokens_scheduled, dtype=np.int64),
+        tokens_lost=np.array(tokens_lost, dtype=np.int64),
+        tokens_computed_total=tokens_computed_total,
+        final_running=list(running),
+        final_waiting=list(waiting),
+        ptr=ptr,
+        held_end=held_end,
+        free_blocks=free_blocks,
+        gpu_resident=sorted(gpu_resident),
+        cpu_resident=sorted(cpu_resident),
+        n_idle=n_idle,
+        n_idle_preemptions=n_idle_preemptions,
+        max_running=max_running,
+        max_u_step=max_u_step,
+        steps=steps,
+    )
+    return result, trace
