@@ -7,7 +7,8 @@ version the tests compare against.
 
 What makes it fast:
 
-* state lives in numpy arrays indexed by request (``computed[r]``, ``blocks[r]``) or adapter;
+* state lives in numpy arrays indexed by request, by adapter, or by slot of the running list (the hot
+  per-step state of running requests is contiguous: ``run_comp[i]``, ``run_blk[i]``);
 * the waiting queue is one FIFO per adapter, ordered by a global key (arrival index, or a negative
   counter for preemption victims so that they sort first, latest victim first). The global queue order is
   the merge of the FIFOs, so vLLM's scan "skip requests of non-resident adapters, admit the others in
@@ -85,15 +86,15 @@ def _lru_victim(resident, n_res, stamp, step_mark, s):
 N_ISC = 19
 F_T, F_BUSY, F_SCHED, F_LOAD = range(4)
 N_FSC = 4
+# positions in the state tuple that the Python side reads
+A_T_SENT, A_T_FIRST, A_T_FINISH, A_N_PREEMPTED, A_W_HEAD, A_TK_ALL, A_TA_ALL, A_TIMELINE = 3, 4, 5, 6, 7, 11, 12, 32
 
 
 @njit(cache=True)
 def _new_state(n, n_ad, max_loras, max_cpu_loras, kv_blocks, max_num_seqs, warm_gpu, warm_cpu,
                duration_s, timeline_dt_s):
     """All arrays of one run, with the warm-start adapter caches (semantics doc, "State")."""
-    computed = np.zeros(n, np.int64)
-    out_done = np.zeros(n, np.int64)
-    blocks = np.zeros(n, np.int64)
+    out_done = np.zeros(n, np.int64)  # written back when a request leaves the running list
     status = np.zeros(n, np.int8)
     key = np.zeros(n, np.int64)
     t_sent = np.full(n, np.nan)
@@ -112,12 +113,19 @@ def _new_state(n, n_ad, max_loras, max_cpu_loras, kv_blocks, max_num_seqs, warm_
     ta_all = np.full(2 * size, -1, np.int64)
     tk_u = np.full(2 * size, INF_KEY, np.int64)
     ta_u = np.full(2 * size, -1, np.int64)
-    # running list (admission order), this step's schedule, running requests per adapter
+    # running list in admission order, one slot per running request: its hot state is copied into
+    # contiguous slot arrays (the step walks them every step; request-indexed arrays would miss the cache).
+    # The step's schedule is always a prefix of the slots: run_num[slot] = tokens scheduled.
     cap_run = min(n, max_num_seqs) + 1
-    running = np.zeros(cap_run, np.int64)
-    sched_r = np.zeros(cap_run, np.int64)
-    sched_n = np.zeros(cap_run, np.int64)
-    run_count = np.zeros(n_ad, np.int64)
+    run_req = np.zeros(cap_run, np.int64)
+    run_comp = np.zeros(cap_run, np.int64)  # computed tokens
+    run_out = np.zeros(cap_run, np.int64)  # output tokens produced
+    run_blk = np.zeros(cap_run, np.int64)  # KV blocks held
+    run_p = np.zeros(cap_run, np.int64)
+    run_o = np.zeros(cap_run, np.int64)
+    run_ad = np.zeros(cap_run, np.int64)
+    run_num = np.zeros(cap_run, np.int64)
+    run_count = np.zeros(n_ad, np.int64)  # running requests per adapter
     # adapter caches: LRU by stamp (ties: lowest index)
     gpu_res = np.zeros(max(max_loras, 1), np.int64)
     in_gpu = np.zeros(n_ad, np.bool_)
@@ -156,9 +164,9 @@ def _new_state(n, n_ad, max_loras, max_cpu_loras, kv_blocks, max_num_seqs, warm_
                 n_cpu += 1
     isc[I_N_GPU] = n_gpu
     isc[I_N_CPU] = n_cpu
-    arrays = (computed, out_done, blocks, status, key, t_sent, t_first, t_finish, n_preempted,
+    arrays = (out_done, status, key, t_sent, t_first, t_finish, n_preempted,
               w_head, w_tail, w_next, w_prev, tk_all, ta_all, tk_u, ta_u,
-              running, sched_r, sched_n, run_count,
+              run_req, run_comp, run_out, run_blk, run_p, run_o, run_ad, run_num, run_count,
               gpu_res, in_gpu, cpu_res, in_cpu, gpu_stamp, cpu_stamp, step_mark, u_list, timeline)
     return arrays, isc, fsc
 
@@ -186,9 +194,9 @@ def _advance(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
              client_cap, timeline_dt_s, arrays, isc, fsc, t_stop):
     """Run steps while ``t < min(t_stop, duration_s)``; the state is read from and written back to
     ``arrays``/``isc``/``fsc``, so pausing and resuming gives exactly the uninterrupted run."""
-    (computed, out_done, blocks, status, key, t_sent, t_first, t_finish, n_preempted,
+    (out_done, status, key, t_sent, t_first, t_finish, n_preempted,
      w_head, w_tail, w_next, w_prev, tk_all, ta_all, tk_u, ta_u,
-     running, sched_r, sched_n, run_count,
+     run_req, run_comp, run_out, run_blk, run_p, run_o, run_ad, run_num, run_count,
      gpu_res, in_gpu, cpu_res, in_cpu, gpu_stamp, cpu_stamp, step_mark, u_list, timeline) = arrays
     n = t_arr.shape[0]
     size = tk_all.shape[0] // 2
@@ -258,29 +266,27 @@ def _advance(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
         ctx = 0.0
         i = 0
         while i < n_run and budget > 0:
-            r = running[i]
-            pending = p_tok[r] + out_done[r] - computed[r]
+            pending = run_p[i] + run_out[i] - run_comp[i]
             num = min(pending, budget)
             can_schedule = True
             while True:
-                need = (computed[r] + num + bs - 1) // bs - blocks[r]
+                need = (run_comp[i] + num + bs - 1) // bs - run_blk[i]
                 if need <= free:
                     if need > 0:
-                        blocks[r] += need
+                        run_blk[i] += need
                         free -= need
                     break
-                v = running[n_run - 1]  # preempt the tail (recompute)
-                n_run -= 1
-                free += blocks[v]
-                blocks[v] = 0
-                computed[v] = 0
+                n_run -= 1  # preempt the tail (recompute): it loses its blocks and computed tokens
+                v = run_req[n_run]
+                free += run_blk[n_run]
+                out_done[v] = run_out[n_run]
                 n_preempted[v] += 1
                 n_preemptions += 1
                 preempted = True
                 preempt_counter += 1
                 key[v] = -preempt_counter  # sorts before every arrival; latest victim first
                 status[v] = WAITING
-                av = adapter[v]
+                av = run_ad[n_run]
                 run_count[av] -= 1
                 if run_count[av] == 0:
                     n_active -= 1
@@ -293,16 +299,15 @@ def _advance(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
                 w_head[av] = v
                 n_waiting += 1
                 _refresh(av, w_head, key, run_count, tk_all, ta_all, tk_u, ta_u, size)
-                if v == r:
+                if n_run == i:  # the victim was this request itself
                     can_schedule = False
                     break
             if not can_schedule:
                 break
-            if out_done[r] >= 1 and pending == 1:
+            if run_out[i] >= 1 and pending == 1:
                 n_dec += 1
-            ctx += computed[r]
-            sched_r[n_sched] = r
-            sched_n[n_sched] = num
+            ctx += run_comp[i]
+            run_num[i] = num
             n_sched += 1
             budget -= num
             i += 1
@@ -319,7 +324,7 @@ def _advance(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
                         break  # every waiting request belongs to a non-resident adapter: skipped
                     a = ta_u[1]
                 r = w_head[a]
-                num = min(p_tok[r] + out_done[r] - computed[r], budget)
+                num = min(p_tok[r] + out_done[r], budget)  # a waiting request has computed nothing
                 need = (num + bs - 1) // bs
                 if need > free:
                     break
@@ -331,18 +336,21 @@ def _advance(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
                     w_tail[a] = -1
                 w_next[r] = -1
                 n_waiting -= 1
-                blocks[r] = need
                 free -= need
                 status[r] = RUNNING
-                running[n_run] = r
+                run_req[n_run] = r
+                run_comp[n_run] = 0
+                run_out[n_run] = out_done[r]
+                run_blk[n_run] = need
+                run_p[n_run] = p_tok[r]
+                run_o[n_run] = o_tok[r]
+                run_ad[n_run] = a
+                run_num[n_run] = num
                 n_run += 1
                 if run_count[a] == 0:
                     n_active += 1
                 run_count[a] += 1
                 _refresh(a, w_head, key, run_count, tk_all, ta_all, tk_u, ta_u, size)
-                ctx += computed[r]
-                sched_r[n_sched] = r
-                sched_n[n_sched] = num
                 n_sched += 1
                 budget -= num
 
@@ -357,9 +365,9 @@ def _advance(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
         # 5. adapters of this batch: touch (LRU), activate the non-resident ones
         n_u = 0
         n_tok = 0
-        for k in range(n_sched):
-            n_tok += sched_n[k]
-            a = adapter[sched_r[k]]
+        for k in range(n_sched):  # the schedule is the slot prefix [0, n_sched)
+            n_tok += run_num[k]
+            a = run_ad[k]
             if step_mark[a] != s:
                 step_mark[a] = s
                 u_list[n_u] = a
@@ -416,34 +424,45 @@ def _advance(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
 
         # 7. update: tokens computed, sampled, finished
         n_fin = 0
+        first_fin = n_run
         for k in range(n_sched):
-            r = sched_r[k]
-            computed[r] += sched_n[k]
-            if computed[r] == p_tok[r] + out_done[r]:
-                out_done[r] += 1
-                if out_done[r] == 1:
+            run_comp[k] += run_num[k]
+            if run_comp[k] == run_p[k] + run_out[k]:
+                run_out[k] += 1
+                r = run_req[k]
+                if run_out[k] == 1:
                     t_first[r] = t_end
-                if out_done[r] == o_tok[r]:
+                if run_out[k] == run_o[k]:
                     t_finish[r] = t_end
                     status[r] = FINISHED
-                    free += blocks[r]
-                    blocks[r] = 0
-                    inflight_tok -= p_tok[r] + o_tok[r]
+                    out_done[r] = run_out[k]
+                    free += run_blk[k]
+                    run_blk[k] = 0
+                    tok = run_p[k] + run_o[k]
+                    inflight_tok -= tok
                     if t_end <= duration_s:
                         n_done += 1
-                        done_tok += p_tok[r] + o_tok[r]
-                    a = adapter[r]
+                        done_tok += tok
+                    a = run_ad[k]
                     run_count[a] -= 1
                     if run_count[a] == 0:
                         n_active -= 1
                         _refresh(a, w_head, key, run_count, tk_all, ta_all, tk_u, ta_u, size)
+                    if n_fin == 0:
+                        first_fin = k
                     n_fin += 1
         if n_fin > 0:  # drop finished requests from running, keeping admission order
-            j = 0
-            for k in range(n_run):
-                r = running[k]
-                if status[r] != FINISHED:
-                    running[j] = r
+            j = first_fin
+            for k in range(first_fin, n_run):
+                if status[run_req[k]] != FINISHED:
+                    if j != k:
+                        run_req[j] = run_req[k]
+                        run_comp[j] = run_comp[k]
+                        run_out[j] = run_out[k]
+                        run_blk[j] = run_blk[k]
+                        run_p[j] = run_p[k]
+                        run_o[j] = run_o[k]
+                        run_ad[j] = run_ad[k]
                     j += 1
             n_run = j
 
@@ -518,14 +537,11 @@ class Engine:
     def snapshot(self) -> dict:
         """Counters a router or an early-stop rule may look at (cheap: no per-request work)."""
         isc = self.isc
-        tk_all = self.arrays[13]
-        size = tk_all.shape[0] // 2
-        head_key = tk_all[1]
+        a = self.arrays
         oldest_wait_s = 0.0
-        if isc[I_N_WAITING] > 0 and head_key < INF_KEY:
-            r = self.arrays[9][self.arrays[14][1]]  # head of the adapter holding the smallest key
-            oldest_wait_s = self.t_s - float(self.arrays[5][r])
-        del size
+        if isc[I_N_WAITING] > 0 and a[A_TK_ALL][1] < INF_KEY:
+            r = a[A_W_HEAD][a[A_TA_ALL][1]]  # head of the adapter holding the smallest key
+            oldest_wait_s = self.t_s - float(a[A_T_SENT][r])
         return {
             "t_s": self.t_s, "num_requests_running": int(isc[I_N_RUN]),
             "num_requests_waiting": int(isc[I_N_WAITING]), "kv_used_blocks": int(self.cfg.kv_blocks - isc[I_FREE]),
@@ -538,10 +554,10 @@ class Engine:
 
     def result(self) -> EngineResult:
         a, isc, fsc = self.arrays, self.isc, self.fsc
-        timeline = a[29]
+        timeline = a[A_TIMELINE]
         n_rows = int(isc[I_NEXT_SAMPLE])
         return EngineResult(
-            t_sent_s=a[5], t_first_s=a[6], t_finish_s=a[7], n_preempted=a[8],
+            t_sent_s=a[A_T_SENT], t_first_s=a[A_T_FIRST], t_finish_s=a[A_T_FINISH], n_preempted=a[A_N_PREEMPTED],
             n_steps=int(isc[I_STEP]), n_preemptions=int(isc[I_N_PREEMPT]), n_gpu_loads=int(isc[I_N_GPU_LOADS]),
             n_disk_loads=int(isc[I_N_DISK_LOADS]), busy_s=float(fsc[F_BUSY]), sched_s=float(fsc[F_SCHED]),
             load_s=float(fsc[F_LOAD]), held_end=int(isc[I_HELD_END]),

@@ -53,9 +53,10 @@ def renewal_times(draw_gaps: GapSampler, rate_rps: float, window_s: float, cv: f
 def poisson_times(rng: np.random.Generator, rate_rps: float, window_s: float,
                   sizing_window_s: float | None = None) -> np.ndarray:
     """Poisson arrivals: exponential gaps with mean ``1/rate_rps``."""
-    scale = 1.0 / rate_rps if rate_rps > 0 else 0.0
-    return renewal_times(lambda n: rng.standard_exponential(n) * scale, rate_rps, window_s, 1.0,
-                         sizing_window_s)
+    with np.errstate(over="ignore", divide="ignore"):  # an absurdly small rate gives inf gaps: no arrival
+        scale = 1.0 / rate_rps if rate_rps > 0 else 0.0
+        return renewal_times(lambda n: rng.standard_exponential(n) * scale, rate_rps, window_s, 1.0,
+                             sizing_window_s)
 
 
 def lognormal_times(rng: np.random.Generator, rate_rps: float, window_s: float, sigma: float = 1.0,
