@@ -77,12 +77,16 @@ def write_csv_atomic(path: Path, columns: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     names = list(columns)
     n = len(columns[names[0]]) if names else 0
-    with tmp.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(names)
-        for i in range(n):
-            w.writerow([_json_safe(columns[c][i]) for c in names])
-    tmp.replace(path)
+    try:
+        with tmp.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(names)
+            for i in range(n):
+                w.writerow([_json_safe(columns[c][i]) for c in names])
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _render_sim(out: dict, title: str) -> None:
@@ -142,7 +146,7 @@ def simulate(
     json_out: JsonOpt = False,
 ) -> None:
     """Simulate one vLLM server serving WORKLOAD's adapters and report throughput, latency, starvation."""
-    from .spec import load_workload
+    from .spec import load_workload, with_mean_lengths
     from .twin.engine import warm_up
     from .twin.run import ServerFlags
     from .twin.run import simulate as run_sim
@@ -150,11 +154,14 @@ def simulate(
     prof = _load_profile(model, gpu, profile)
     wl = load_workload(workload)
     if mean_input_tokens is not None or mean_output_tokens is not None:
-        upd = {k: v for k, v in (("mean_input_tokens", mean_input_tokens),
-                                 ("mean_output_tokens", mean_output_tokens)) if v is not None}
-        if any(not math.isfinite(v) or v < 1 for v in upd.values()):
-            raise SpecError("--mean-input-tokens/--mean-output-tokens: expected numbers >= 1")
-        wl = wl.model_copy(update={"lengths": wl.lengths.model_copy(update=upd)})
+        # validated like the spec itself (finite, >= 1, reachable lognormal target, not 'empirical')
+        if getattr(wl.arrivals, "trace_lengths", False):
+            raise SpecError("--mean-input-tokens/--mean-output-tokens: the workload replays the trace's own "
+                            "lengths (arrivals.trace_lengths: true); set trace_lengths: false to use them")
+        try:
+            wl = with_mean_lengths(wl, mean_input_tokens, mean_output_tokens)
+        except SpecError as e:
+            raise SpecError(f"--mean-input-tokens/--mean-output-tokens: {e}") from None
     compile_s = warm_up()
     flags = ServerFlags(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                         max_model_len=max_model_len, client_cap=client_cap, warm_start=not cold_start)
@@ -163,7 +170,9 @@ def simulate(
     if timeline is not None:
         if res is None:
             raise SpecError(f"--timeline {timeline}: no timeline, the server would not start ({out['error_type']})")
-        write_csv_atomic(timeline, res.timeline)
+        # gauges that count things are integers (as in vLLM's /metrics), the rest stay floats
+        write_csv_atomic(timeline, {k: ([int(x) for x in v] if k.startswith("num_") else v)
+                                    for k, v in res.timeline.items()})
     if json_out:
         print_json(out)
     else:
@@ -186,6 +195,8 @@ def validate(
     """Replay real benchmark runs through the twin and score it (SMAPE, starvation and OOM agreement)."""
     from .validate import run_validation
 
+    if out is not None and not out.parent.exists():  # fail before the (long) validation, not after it
+        raise SpecError(f"cannot write {out}: directory {out.parent} does not exist")
     report = run_validation(runs, seeds=seeds, gpu=gpu, lengths=lengths, workers=workers, limit=limit,
                             progress=not json_out)
     if out is not None:
@@ -278,6 +289,55 @@ def demo(
         console.print("[red]No --max-loras value serves this workload on one GPU without starvation.[/red]")
 
 
+@app.command()
+def sweep(
+    grid: Annotated[Path | None, typer.Argument(help="Grid spec YAML (or use --preset).")] = None,
+    preset: Annotated[str | None, typer.Option(help="Built-in grid: paper-llama | paper-qwen.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Output directory (Parquet parts).")] = None,
+    backend: Annotated[str, typer.Option(help="local (process pool) | ray.")] = "local",
+    address: Annotated[str | None, typer.Option(help="Ray cluster address (default: start a local Ray).")] = None,
+    workers: Annotated[int, typer.Option(help="Parallel workers (0 = all cores).")] = 0,
+    limit: Annotated[int | None, typer.Option(help="Only the first K configs of a fixed seeded shuffle.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the sweep already in --out.")] = False,
+    early_stop: Annotated[bool, typer.Option("--early-stop/--no-early-stop", help="Early termination.")] = True,
+    early_stop_tests: Annotated[str, typer.Option(help="Early-stop tests to use.")] = "certain,likely,healthy",
+    prune: Annotated[bool, typer.Option("--prune/--no-prune", help="N-series pruning.")] = True,
+    seed: Annotated[int | None, typer.Option(help="Run the grid with this one seed.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Override the grid's model.")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="Override the grid's GPU.")] = None,
+    print_grid: Annotated[bool, typer.Option("--print-grid", help="Print the grid as YAML and exit.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run the twin over a grid of configurations and append one row per config to Parquet parts in --out."""
+    from .sweep import Shortcuts, grid_yaml, load_grid, preset_grid, run_sweep, with_overrides
+
+    if (grid is None) == (preset is None):
+        raise SpecError("give exactly one of GRID (a YAML file) or --preset NAME (paper-llama, paper-qwen)")
+    spec = with_overrides(load_grid(grid) if grid is not None else preset_grid(preset), model, gpu, seed)
+    if print_grid:
+        sys.stdout.write(grid_yaml(spec))
+        return
+    if out is None:
+        raise SpecError("--out DIR is required")
+    tests = {t.strip() for t in early_stop_tests.split(",") if t.strip()}
+    if not tests <= {"certain", "likely", "healthy"}:
+        raise SpecError(f"--early-stop-tests {early_stop_tests}: expected a comma list of certain, likely, healthy")
+    shortcuts = Shortcuts(early_stop=early_stop, certain="certain" in tests, likely="likely" in tests,
+                          healthy="healthy" in tests, prune=prune)
+    summary = run_sweep(spec, out, backend=backend, address=address, workers=workers, limit=limit,
+                        resume=resume, shortcuts=shortcuts, progress=not json_out)
+    if json_out:
+        print_json(summary)
+        return
+    console.print(f"[bold]{spec.name}[/bold]: {summary['rows']:,} rows written to {summary['out']} "
+                  f"({summary['simulated']:,} simulated, {summary['early_stopped']:,} of them stopped early; "
+                  f"{summary['pruned']:,} pruned; {summary['skipped_oom']:,} oom; {summary['already_done']:,} "
+                  f"already there) in {summary['wall_s']:.1f} s = {summary['configs_per_s']:.1f} configs/s; "
+                  f"grid size {summary['grid_size']:,}.")
+    if not summary["early_stop_active"] and early_stop:
+        console.print("note: this twin has no early termination; every simulated row is a full run.")
+
+
 def main() -> None:
     """Console entry point: user errors -> one line on stderr, exit code 2."""
     try:
@@ -292,14 +352,30 @@ def main() -> None:
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except Exception as e:  # click usage errors and aborts
-        import click
-
-        if isinstance(e, click.exceptions.Abort):
+        usage, aborts = _click_exception_types()
+        if isinstance(e, aborts):
             sys.exit(130)
-        if isinstance(e, click.ClickException):
+        if isinstance(e, usage):
             e.show()
             sys.exit(2)
         raise
+
+
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Usage-error and abort classes: typer >= 0.2x vendors click as ``typer._click``, older typer uses click."""
+    import importlib
+
+    usage: list[type] = []
+    aborts: list[type] = [typer.Abort] if hasattr(typer, "Abort") else []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        usage.append(mod.ClickException)
+        if hasattr(mod, "Abort"):
+            aborts.append(mod.Abort)
+    return tuple(usage), tuple(aborts)
 
 
 if __name__ == "__main__":

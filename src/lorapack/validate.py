@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DataError, LorapackError
+from .errors import DataError, LorapackError, ProfileError
 
 REQUIRED = ("run_id", "model", "n_adapters", "max_loras", "max_lora_rank", "rank_counts", "rate_counts",
             "status")
@@ -32,11 +32,22 @@ def _num(row: dict, key: str, default: float | None = None) -> float | None:
 
 
 def parse_counts(text: str, kind: type = float) -> list:
-    """``"8:64 16:64"`` -> ``[8]*64 + [16]*64``."""
+    """``"8:64 16:64"`` -> ``[8]*64 + [16]*64``; a malformed pair raises ``DataError``."""
     out: list = []
-    for part in text.split():
-        value, _, count = part.partition(":")
-        out.extend([kind(float(value)) if kind is int else kind(value)] * int(count))
+    for part in (text or "").split():
+        value, sep, count = part.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            v = float(value)
+            n = int(count)
+            if not math.isfinite(v) or v < 0 or n < 0 or (kind is int and v != int(v)):
+                raise ValueError
+        except ValueError:
+            what = "a non-negative integer" if kind is int else "a finite number >= 0"
+            raise DataError(f"malformed count '{part}' in '{text}': expected value:count with value "
+                            f"{what} and count an integer >= 0, e.g. '8:64 16:64'") from None
+        out.extend([int(v) if kind is int else kind(value)] * n)
     return out
 
 
@@ -74,7 +85,41 @@ def build_workload(row: dict, seed: int, lengths: str = "lognormal"):
                     arrivals=PoissonArrivals(), duration_s=_num(row, "window_s", 3600.0))
 
 
+def _int_field(row: dict, key: str, where: str, minimum: int = 1) -> int:
+    v = _num(row, key)
+    if v is None or not math.isfinite(v) or v != int(v) or v < minimum:
+        raise DataError(f"{where}: column {key} = {row.get(key)!r}; expected an integer >= {minimum}")
+    return int(v)
+
+
+def _check_row(row: dict, where: str) -> None:
+    """Fail early, naming the row, on a row the validation cannot rebuild (instead of inside a worker)."""
+    status = (row.get("status") or "").strip()
+    if status not in ("ok", "oom"):
+        raise DataError(f"{where}: status {row.get('status')!r}; expected ok or oom")
+    _int_field(row, "max_loras", where)
+    _int_field(row, "max_lora_rank", where)
+    if status == "oom":  # scored on the start-up rule only; oom rows carry no rates
+        return
+    n = _int_field(row, "n_adapters", where)
+    try:
+        ranks = parse_counts(row.get("rank_counts") or "", int)
+        rates = parse_counts(row.get("rate_counts") or "", float)
+    except DataError as e:
+        raise DataError(f"{where}: {e}") from None
+    if (ranks or rates) and (len(ranks) != n or len(rates) != n):
+        raise DataError(f"{where}: rank_counts/rate_counts ({len(ranks)}/{len(rates)} adapters) do not add up "
+                        f"to n_adapters={n}")
+
+
 def _simulate_row(row: dict, seed: int, lengths: str, gpu: str) -> dict:
+    try:
+        return _simulate_row_inner(row, seed, lengths, gpu)
+    except LorapackError as e:  # name the run: the error surfaces from a worker process
+        raise DataError(f"run {row.get('run_id')}: {e}") from None
+
+
+def _simulate_row_inner(row: dict, seed: int, lengths: str, gpu: str) -> dict:
     from .profile import find_profile
     from .twin.run import REAL_CLIENT_CAP, ServerFlags, simulate
 
@@ -114,22 +159,32 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
         raise LorapackError(f"--seeds {seeds}: expected an integer >= 1")
     if lengths not in ("fixed", "lognormal"):
         raise LorapackError(f"--lengths {lengths}: expected fixed or lognormal")
+    if limit is not None and limit < 0:
+        raise LorapackError(f"--limit {limit}: expected an integer >= 0")
     rows = read_runs(runs_path)
     if limit is not None:
         rows = rows[:limit]
     from .profile import find_profile
 
-    have = {m for g, m, _ in available_profiles() if g == gpu}
+    avail = available_profiles()
+    if gpu not in {g for g, _, _ in avail}:
+        raise ProfileError(f"unknown gpu '{gpu}': shipped profiles exist for "
+                           f"{', '.join(sorted({g for g, _, _ in avail})) or 'none'}")
+    have = {m for g, m, _ in avail if g == gpu}
     profiles = {m: find_profile(m, gpu) for m in have}
     results: dict[int, list[dict]] = {}
     todo = []
     for i, r in enumerate(rows):
+        r["model"] = (r.get("model") or "").strip()
         if r["model"] not in have:
             continue
-        # the start-up rule needs no simulation (and oom rows carry no rates)
+        _check_row(r, f"{runs_path}: row {i + 1} (run {r.get('run_id')})")
+        # the start-up rule needs no simulation; real oom rows are scored on it alone (they carry no rates)
         starts, _kv, err = profiles[r["model"]].startup(int(float(r["max_loras"])), int(float(r["max_lora_rank"])))
         if not starts:
             results[i] = [{"oom": True, "error_type": err}]
+        elif r["status"].strip() == "oom":
+            results[i] = [{"oom": False, "error_type": None}]
         elif (r.get("rate_counts") or "").strip() and (r.get("rank_counts") or "").strip():
             todo.extend((i, s) for s in range(seeds))
 
@@ -167,7 +222,7 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
         pred_oom = outs[0]["oom"]
         real_oom = r["status"].strip() == "oom"
         st["n_oom" if real_oom else "n_ok"] += 1
-        if pred_oom:
+        if pred_oom or real_oom:  # real oom rows were not simulated (start-up rule only)
             thr = itl = ttft = ratio = float("nan")
             starved = None
         else:

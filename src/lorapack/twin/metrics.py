@@ -1,6 +1,8 @@
 """Metrics exactly as the real benchmark computes them (twin.md §4), from an ``EngineResult``.
 
-* sent = requests injected before the window end; completed = finished by ``duration_s``;
+* sent = requests arrived before the window end and not held back by the client cap at the end (see
+  ``types.py``); completed = finished by ``duration_s``;
+* TTFT counts from ``t_sent`` (the injection time of a request the cap held back), not from ``t_arr``;
 * throughput = Σ_completed (P + O) / duration (input + output tokens per second);
 * incoming (ideal) = Σ_sent (P + O) / duration; ``starved`` = throughput < 0.9 × incoming;
 * ITL = Σ_completed (t_last − t_first) / Σ_completed (O − 1): the token-weighted mean of all gaps;
@@ -60,7 +62,9 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     open_ = sent & ~done
     oldest = np.zeros(n_adapters)
     if open_.any():
-        age = duration_s - res.t_sent_s[open_]
+        # a request sent during the last step was never injected (t_sent NaN): its age counts from arrival
+        since = np.where(np.isfinite(res.t_sent_s), res.t_sent_s, req.t_arr_s)
+        age = duration_s - since[open_]
         np.maximum.at(oldest, ad[open_], age)
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = np.where(sent_tok > 0, done_tok / sent_tok, 1.0)
