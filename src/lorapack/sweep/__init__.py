@@ -1,0 +1,56 @@
+"""Sweeps: generate the surrogates' training data with the twin (issue 4, placement.md §3.3).
+
+API::
+
+    from lorapack.sweep import load_grid, preset_grid, run_sweep, read_rows, Shortcuts
+    grid = preset_grid("paper-llama")            # or load_grid("grid.yaml")
+    summary = run_sweep(grid, "out/", workers=0, limit=1000, resume=True, shortcuts=Shortcuts(prune=True))
+    table = read_rows("out/")                    # pyarrow.Table, one row per config
+
+CLI: ``lorapack sweep GRID|--preset NAME --out DIR [--backend local|ray] [--address ADDR] [--workers N]
+[--limit K] [--resume] [--no-early-stop] [--no-prune] [--seed S] [--model M] [--gpu G] [--json]``.
+"""
+
+from __future__ import annotations
+
+from .backends import BACKENDS
+from .grid import (
+    PRESETS,
+    GridSpec,
+    SweepConfig,
+    enumerate_configs,
+    grid_yaml,
+    limit_order,
+    load_grid,
+    preset_grid,
+    select_configs,
+    with_overrides,
+)
+from .runner import build_units, run_sweep
+from .store import COLUMNS, SCHEMA, TIMING_COLUMNS, read_meta, read_rows
+from .work import Shortcuts, WorkUnit, early_stop_available, run_unit
+
+__all__ = [
+    "BACKENDS",
+    "COLUMNS",
+    "PRESETS",
+    "SCHEMA",
+    "TIMING_COLUMNS",
+    "GridSpec",
+    "Shortcuts",
+    "SweepConfig",
+    "WorkUnit",
+    "build_units",
+    "early_stop_available",
+    "enumerate_configs",
+    "grid_yaml",
+    "limit_order",
+    "load_grid",
+    "preset_grid",
+    "read_meta",
+    "read_rows",
+    "run_sweep",
+    "run_unit",
+    "select_configs",
+    "with_overrides",
+]

@@ -1,0 +1,179 @@
+"""``run_sweep``: select configs, skip what a previous run wrote, run the rest, append Parquet parts."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .. import __version__
+from ..errors import SpecError
+from ..profile import Profile, find_profile
+from .backends import BACKENDS, RaySession, default_workers, execute
+from .grid import GridSpec, SweepConfig, select_configs
+from .store import (
+    FORMAT_VERSION,
+    PartWriter,
+    check_resumable,
+    clean_temporaries,
+    done_config_ids,
+    lock_dir,
+    part_files,
+    read_rows,
+    write_meta,
+)
+from .work import OBTAINED_OOM, OBTAINED_PRUNED, Shortcuts, WorkUnit, early_stop_available, oom_row
+
+FLUSH_ROWS = 2000
+FLUSH_S = 20.0
+
+
+def build_units(configs: list[SweepConfig], prune: bool) -> list[WorkUnit]:
+    """One unit per config, or (``prune``) one per N-series with N increasing.
+
+    Units are ordered by (seed, rate tuple), so that the configs sharing arrivals run close together and
+    hit the workers' request cache (``work.config_requests``), then largest first; rows do not depend on it.
+    """
+    if not prune:
+        units = [WorkUnit([c]) for c in configs]
+    else:
+        series: dict[tuple, list[SweepConfig]] = {}
+        for c in configs:
+            series.setdefault(c.series_key, []).append(c)
+        units = [WorkUnit(sorted(cs, key=lambda c: c.served_adapters), prune=True) for cs in series.values()]
+    first = {}
+    for u in units:
+        first.setdefault((u.configs[0].seed, u.configs[0].rate_tuple), len(first))
+    units.sort(key=lambda u: (first[(u.configs[0].seed, u.configs[0].rate_tuple)], -len(u.configs),
+                              u.configs[0].served_adapters))
+    return units
+
+
+def sweep_meta(grid: GridSpec, profile: Profile, shortcuts: Shortcuts) -> dict:
+    return {
+        "format": FORMAT_VERSION, "grid_name": grid.name, "grid": grid.canonical(), "grid_hash": grid.grid_hash(),
+        "twin_version": __version__, "profile_hash": profile.file_hash(), "model": profile.model,
+        "gpu": profile.gpu, "vllm_version": profile.vllm_version, "shortcuts": shortcuts.as_dict(),
+        "early_stop_active": bool(shortcuts.early_stop and early_stop_available()),
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "notes": "one row per config; see lorapack.sweep.work for columns, 'obtained' for how a row was made",
+    }
+
+
+def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", address: str | None = None,
+              workers: int = 0, limit: int | None = None, resume: bool = False,
+              shortcuts: Shortcuts = Shortcuts(), configs: list[SweepConfig] | None = None,
+              progress: bool = False, flush_rows: int = FLUSH_ROWS, flush_s: float = FLUSH_S,
+              on_unit: Callable[[WorkUnit, list[dict]], None] | None = None) -> dict:
+    """Run (or continue) a sweep of ``grid`` into ``out``; returns the summary dict.
+
+    ``configs`` replaces the grid's selection (benches use it to run a sample); ``limit`` takes the first K
+    configs of the grid's fixed seeded shuffle. Rows are appended as atomic Parquet parts after every
+    ``flush_rows`` rows or ``flush_s`` seconds (whole units only), and once more at the end or on an error.
+    """
+    if backend not in BACKENDS:
+        raise SpecError(f"--backend {backend}: expected one of {', '.join(BACKENDS)}")
+    if workers < 0:
+        raise SpecError(f"--workers {workers}: expected an integer >= 0 (0 = all cores)")
+    if backend == "local" and address is not None:
+        raise SpecError("--address is only used with --backend ray")
+    t0 = time.perf_counter()
+    out = Path(out)
+    profile = find_profile(grid.model, grid.gpu)
+    meta = sweep_meta(grid, profile, shortcuts)
+    old = check_resumable(out, meta, resume)
+    if configs is None:
+        configs = select_configs(grid, limit)
+    with contextlib.ExitStack() as stack:
+        session = None
+        if backend == "ray":  # connect before anything is written: a bad --address leaves no directory behind
+            session = RaySession(workers if workers > 0 else default_workers(), address).start()
+            stack.callback(session.stop)
+        out.mkdir(parents=True, exist_ok=True)
+        stack.enter_context(lock_dir(out))
+        if old is None:
+            write_meta(out, meta)
+        clean_temporaries(out)
+        done = done_config_ids(out) if resume else set()
+        todo = [c for c in configs if c.config_id not in done]
+        n_done_before = len(configs) - len(todo)
+
+        oom = [c for c in todo if not profile.startup(c.adapter_slots, c.max_lora_rank)[0]]
+        oom_ids = {c.config_id for c in oom}
+        units = build_units([c for c in todo if c.config_id not in oom_ids], shortcuts.prune)
+
+        writer = PartWriter(out)
+        counts = {"rows": 0, "simulated": 0, "skipped_oom": 0, "pruned": 0, "early_stopped": 0}
+        buffer: list[dict] = []
+        last_flush = time.perf_counter()
+
+        def flush() -> None:
+            nonlocal buffer, last_flush
+            writer.write(buffer)
+            buffer = []
+            last_flush = time.perf_counter()
+
+        def take(rows: list[dict]) -> None:
+            for r in rows:
+                counts["rows"] += 1
+                if r["obtained"] == OBTAINED_OOM:
+                    counts["skipped_oom"] += 1
+                elif r["obtained"] == OBTAINED_PRUNED:
+                    counts["pruned"] += 1
+                else:
+                    counts["simulated"] += 1
+                    if r["obtained"].startswith("early_"):
+                        counts["early_stopped"] += 1
+            buffer.extend(rows)
+
+        bar = None
+        if progress and todo:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            # on stderr: stdout stays clean for the summary (and for pipes)
+            bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                           "configs", TimeElapsedColumn(), "ETA", TimeRemainingColumn(), transient=True,
+                           console=Console(stderr=True))
+            bar.start()
+            task = bar.add_task(f"sweep {grid.name}", total=len(todo))
+        try:
+            take([oom_row(c, profile) for c in oom])
+            if bar is not None:
+                bar.advance(task, len(oom))
+            if buffer:
+                flush()
+            for unit, rows in execute(units, profile, shortcuts, backend, workers, address, session):
+                take(rows)
+                if on_unit is not None:
+                    on_unit(unit, rows)
+                if bar is not None:
+                    bar.advance(task, len(rows))
+                if len(buffer) >= flush_rows or time.perf_counter() - last_flush >= flush_s:
+                    flush()
+        finally:
+            if buffer:
+                flush()  # completed units only: everything in the buffer is whole
+            if bar is not None:
+                bar.stop()
+        wall = time.perf_counter() - t0
+        return {
+            "rows": counts["rows"], "simulated": counts["simulated"], "skipped_oom": counts["skipped_oom"],
+            "grid_size": grid.size, "configs_per_s": counts["rows"] / wall if wall > 0 else 0.0, "out": str(out),
+            "pruned": counts["pruned"], "early_stopped": counts["early_stopped"], "already_done": n_done_before,
+            "selected": len(configs), "rows_total": n_done_before + counts["rows"], "wall_s": wall,
+            "backend": backend, "workers": workers if workers > 0 else default_workers(),
+            "parts_written": len(writer.parts), "parts_total": len(part_files(out)),
+            "early_stop_active": meta["early_stop_active"],
+        }
+
+
+__all__ = ["build_units", "read_rows", "run_sweep", "sweep_meta"]

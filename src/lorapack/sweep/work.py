@@ -1,0 +1,254 @@
+"""One unit of sweep work -> rows. A unit is one config, or (with pruning) one N-series.
+
+``run_unit`` is a pure function of its arguments (timing columns aside), so it runs the same in-process, in a
+local process pool or on a Ray worker.
+
+Row fields (one row per config; schema in ``store.SCHEMA``):
+
+* identity: ``config_id`` (hash of the canonical config + seed), ``series_id``, ``seed``, ``model``, ``gpu``;
+* surrogate features (placement.md §3.1): ``served_adapters`` (N), ``adapter_slots`` (A), ``sum_rate``,
+  ``std_rate`` (ddof 0), ``max_size``, ``mean_size``, ``std_size`` (ddof 0), plus ``mean_input_tokens``,
+  ``mean_output_tokens`` (the length law's means), ``lengths_kind``, ``max_lora_rank``, ``duration_s`` and the
+  tuples the adapters were drawn from;
+* labels and metrics of the twin (twin.md §4.2): ``oom``, ``starved``, ``throughput_tok_s``, ``incoming_tok_s``,
+  ``throughput_ratio``, ``itl_mean_ms``, ``ttft_mean_ms``, ``ttft_penalised_mean_ms``, ... and
+  ``incoming_expected_tok_s`` = ``sum_rate * (mean_input_tokens + mean_output_tokens)`` (analytic, every row);
+* how the row was obtained: ``obtained`` in {``full``, ``early_certain_starved``, ``early_likely_starved``,
+  ``early_healthy_converged``, ``pruned``, ``oom``}, the twin's ``stop_reason`` and ``simulated_s``;
+* provenance: ``twin_version``, ``profile_hash``; timing: ``wall_s`` (seconds spent on this row).
+
+OOM rows (vLLM would refuse ``(A, S)`` at start-up) are written without simulating: ``starved`` is null and
+the metrics are NaN (throughput 0). Pruned rows (twin.md §7.5) carry ``starved = True`` and NaN for every
+measured metric (throughput, incoming, ITL, TTFT, counts): nothing was simulated for them, and throughput
+past the first starving N keeps falling with N, so any extrapolation would be a guess. Train regressors on
+rows with ``obtained != 'pruned'`` (or sweep with pruning off).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import __version__
+from ..profile import Profile
+from .grid import SweepConfig
+
+OBTAINED_FULL = "full"
+OBTAINED_PRUNED = "pruned"
+OBTAINED_OOM = "oom"
+STOP_REASONS = ("full", "certain_starved", "likely_starved", "healthy_converged")
+# a series is pruned after this many consecutive starving N points (the first + one more, twin.md §7.5)
+PRUNE_AFTER_STARVING = 2
+
+NAN = float("nan")
+METRIC_KEYS_FLOAT = ("throughput_tok_s", "input_tok_s", "output_tok_s", "incoming_tok_s", "throughput_ratio",
+                     "itl_mean_ms", "tpot_mean_ms", "ttft_mean_ms", "ttft_median_ms", "ttft_p99_ms",
+                     "ttft_penalised_mean_ms", "busy_frac", "waiting_max")
+METRIC_KEYS_INT = ("n_arrived", "n_completed", "preemptions", "adapter_loads", "adapters_starved")
+
+
+@dataclass(frozen=True)
+class Shortcuts:
+    """Which shortcuts a sweep may take; every one can be switched off."""
+
+    early_stop: bool = True  # pass EarlyStopOptions to the twin (when the twin has it)
+    certain: bool = True  # early stop: starvation certain (token accounting)
+    likely: bool = True  # early stop: sequential test for starvation
+    healthy: bool = True  # early stop: healthy run's throughput converged
+    prune: bool = True  # N-series pruning
+
+    def as_dict(self) -> dict:
+        return {"early_stop": self.early_stop, "certain": self.certain, "likely": self.likely,
+                "healthy": self.healthy, "prune": self.prune}
+
+
+def early_stop_available() -> bool:
+    """True once the twin has early termination (``lorapack.twin.early`` + ``simulate_requests(early_stop=)``)."""
+    try:
+        from ..twin.early import EarlyStopOptions  # noqa: F401
+    except ImportError:
+        return False
+    from ..twin.run import simulate_requests
+
+    return "early_stop" in inspect.signature(simulate_requests).parameters
+
+
+def _early_stop_options(sc: Shortcuts):
+    if not sc.early_stop or not (sc.certain or sc.likely or sc.healthy) or not early_stop_available():
+        return None
+    from ..twin.early import EarlyStopOptions
+
+    return EarlyStopOptions(certain=sc.certain, likely=sc.likely, healthy=sc.healthy)
+
+
+@dataclass
+class WorkUnit:
+    """Configs run together: a single config, or one N-series sorted by N (then ``prune`` applies)."""
+
+    configs: list[SweepConfig]
+    prune: bool = False
+    key: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = self.configs[0].series_id if self.prune else self.configs[0].config_id
+
+
+def features(cfg: SweepConfig) -> dict:
+    """Identity and surrogate features of a config (no simulation)."""
+    ranks = cfg.ranks().astype(np.float64)
+    rates = cfg.rates_rps()
+    sum_rate = float(rates.sum())
+    return {
+        "config_id": cfg.config_id, "series_id": cfg.series_id, "seed": cfg.seed, "model": cfg.model,
+        "gpu": cfg.gpu, "served_adapters": cfg.served_adapters, "adapter_slots": cfg.adapter_slots,
+        "max_lora_rank": cfg.max_lora_rank, "sum_rate": sum_rate, "std_rate": float(rates.std()),
+        "max_size": int(ranks.max()), "mean_size": float(ranks.mean()), "std_size": float(ranks.std()),
+        "mean_input_tokens": cfg.mean_input_tokens, "mean_output_tokens": cfg.mean_output_tokens,
+        "lengths_kind": cfg.lengths_kind, "duration_s": cfg.duration_s, "rate_tuple": list(cfg.rate_tuple),
+        "rank_tuple": list(cfg.rank_tuple),
+        "incoming_expected_tok_s": sum_rate * (cfg.mean_input_tokens + cfg.mean_output_tokens),
+    }
+
+
+def _empty_metrics() -> dict:
+    out: dict = {k: NAN for k in METRIC_KEYS_FLOAT}
+    out.update({k: None for k in METRIC_KEYS_INT})
+    out.update({"adapter_starved": None, "kv_cache_tokens": None, "error_type": None})
+    return out
+
+
+def oom_row(cfg: SweepConfig, profile: Profile) -> dict:
+    _starts, kv, err = profile.startup(cfg.adapter_slots, cfg.max_lora_rank)
+    row = features(cfg)
+    row.update(_empty_metrics())
+    row.update({"oom": True, "starved": None, "throughput_tok_s": 0.0, "error_type": err,
+                "kv_cache_tokens": int(kv), "obtained": OBTAINED_OOM, "stop_reason": None, "simulated_s": 0.0})
+    return _provenance(row, profile, 0.0)
+
+
+def pruned_row(cfg: SweepConfig, profile: Profile) -> dict:
+    _starts, kv, _err = profile.startup(cfg.adapter_slots, cfg.max_lora_rank)
+    row = features(cfg)
+    row.update(_empty_metrics())
+    row.update({"oom": False, "starved": True, "kv_cache_tokens": int(kv), "obtained": OBTAINED_PRUNED,
+                "stop_reason": None, "simulated_s": 0.0})
+    return _provenance(row, profile, 0.0)
+
+
+def _provenance(row: dict, profile: Profile, wall_s: float) -> dict:
+    row["twin_version"] = __version__
+    row["profile_hash"] = profile.file_hash()
+    row["wall_s"] = wall_s
+    return row
+
+
+def _num(v, kind=float):
+    if v is None:
+        return NAN if kind is float else None
+    v = kind(v)
+    return v
+
+
+# Arrivals and lengths depend only on (seed, N, rate tuple, length law, window): every rank tuple and A_max
+# with the same N replays the same requests (common random numbers), so a worker keeps recent ones.
+REQUEST_CACHE_BUDGET = 6_000_000  # requests held per process (~20 bytes each)
+_request_cache: OrderedDict[tuple, object] = OrderedDict()
+
+
+def _arrivals_key(cfg: SweepConfig) -> tuple:
+    return (cfg.seed, cfg.served_adapters, cfg.rate_tuple, cfg.lengths_kind, cfg.mean_input_tokens,
+            cfg.mean_output_tokens, cfg.lengths_cv, cfg.duration_s)
+
+
+def config_requests(cfg: SweepConfig):
+    """The config's arrivals (``RequestArrays``), generated once per process and arrivals key.
+
+    The engine only reads these arrays; they are shared between the configs of one key.
+    """
+    from ..spec import Adapter, PoissonArrivals, Workload
+    from ..workload import generate_requests
+
+    key = _arrivals_key(cfg)
+    req = _request_cache.get(key)
+    if req is not None:
+        _request_cache.move_to_end(key)
+        return req
+    rates = cfg.rates_rps()
+    # ranks play no part in generation; rank 8 keeps the workload valid
+    wl = Workload(adapters=[Adapter(adapter_id=f"a{i}", rank=8, rate_rps=float(q)) for i, q in enumerate(rates)],
+                  lengths=cfg.lengths(), arrivals=PoissonArrivals(), duration_s=cfg.duration_s)
+    req = generate_requests(wl, cfg.duration_s, cfg.seed)
+    if len(req) <= REQUEST_CACHE_BUDGET:
+        _request_cache[key] = req
+        held = sum(len(r) for r in _request_cache.values())
+        while held > REQUEST_CACHE_BUDGET and len(_request_cache) > 1:
+            _k, old = _request_cache.popitem(last=False)
+            held -= len(old)
+    return req
+
+
+def clear_request_cache() -> None:
+    _request_cache.clear()
+
+
+def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts) -> dict:
+    """Run the twin on one config (which must start) and return its row."""
+    from ..twin.run import ServerFlags, simulate_requests
+
+    t0 = time.perf_counter()
+    ranks = cfg.ranks()
+    req = config_requests(cfg)
+    flags = ServerFlags(max_loras=cfg.adapter_slots, max_lora_rank=cfg.max_lora_rank,
+                        max_cpu_loras=cfg.served_adapters)
+    opts = _early_stop_options(shortcuts)
+    if opts is None:
+        m, _ = simulate_requests(profile, ranks, req, flags, cfg.duration_s)
+    else:
+        m, _ = simulate_requests(profile, ranks, req, flags, cfg.duration_s, early_stop=opts)
+    row = features(cfg)
+    if m["oom"]:  # the caller checks the start-up rule first; kept for safety
+        row.update(_empty_metrics())
+        row.update({"oom": True, "starved": None, "throughput_tok_s": 0.0, "error_type": m["error_type"],
+                    "kv_cache_tokens": m["kv_cache_tokens"], "obtained": OBTAINED_OOM, "stop_reason": None,
+                    "simulated_s": 0.0})
+        return _provenance(row, profile, time.perf_counter() - t0)
+    for k in METRIC_KEYS_FLOAT:
+        row[k] = _num(m.get(k), float)
+    for k in METRIC_KEYS_INT:
+        row[k] = _num(m.get(k), int)
+    reason = m.get("stop_reason") or "full"
+    row.update({
+        "oom": False, "error_type": None, "kv_cache_tokens": int(m["kv_cache_tokens"]),
+        "starved": bool(m["starved"]), "adapter_starved": bool(m.get("adapter_starved", False)),
+        "obtained": OBTAINED_FULL if reason == "full" else f"early_{reason}", "stop_reason": reason,
+        "simulated_s": float(m.get("simulated_s", cfg.duration_s)),
+    })
+    return _provenance(row, profile, time.perf_counter() - t0)
+
+
+def run_unit(unit: WorkUnit, profile: Profile, shortcuts: Shortcuts) -> list[dict]:
+    """Rows of every config of ``unit``.
+
+    With ``unit.prune`` the configs (one series, N increasing) are simulated in order until
+    ``PRUNE_AFTER_STARVING`` consecutive points starve; the remaining points become ``pruned`` rows.
+    """
+    rows: list[dict] = []
+    streak = 0
+    for cfg in unit.configs:
+        if not profile.startup(cfg.adapter_slots, cfg.max_lora_rank)[0]:
+            rows.append(oom_row(cfg, profile))
+            continue
+        if unit.prune and streak >= PRUNE_AFTER_STARVING:
+            rows.append(pruned_row(cfg, profile))
+            continue
+        row = simulate_config(cfg, profile, shortcuts)
+        streak = streak + 1 if row["starved"] else 0
+        rows.append(row)
+    return rows
+
+
