@@ -605,7 +605,10 @@ def _resolve(base: Path, value: str) -> str:
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
-def _load_yaml(path: Path) -> Workload:
+def validate_yaml_file(path: Path, model: type[BaseModel], expected: str) -> tuple[Any, dict[tuple, int]]:
+    """Read a YAML mapping and validate it as ``model``; every problem is a one-line ``SpecError`` with the
+    file and line. ``expected`` describes the top level for the "not a mapping" message. Returns
+    ``(validated model, line numbers by key path)``."""
     file = str(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -613,12 +616,17 @@ def _load_yaml(path: Path) -> Workload:
         raise SpecError(f"{path}: cannot read file ({' '.join(str(exc).split())})") from None
     data, lines = _yaml_with_lines(text, file)
     if not isinstance(data, dict):
-        raise SpecError(f"{file}:{lines.get((), 1)}: expected a mapping with 'adapters' or 'adapters_csv' "
-                        f"(and optional lengths, arrivals, duration_s)")
+        raise SpecError(f"{file}:{lines.get((), 1)}: expected a mapping with {expected}")
     try:
-        spec = _WorkloadFile.model_validate(data)
+        return model.model_validate(data), lines
     except ValidationError as exc:
-        raise _spec_error(exc, file, lines, data, _WorkloadFile) from None
+        raise _spec_error(exc, file, lines, data, model) from None
+
+
+def _load_yaml(path: Path) -> Workload:
+    file = str(path)
+    spec, lines = validate_yaml_file(
+        path, _WorkloadFile, "'adapters' or 'adapters_csv' (and optional lengths, arrivals, duration_s)")
 
     base = path.parent
     if spec.adapters_csv is not None:

@@ -43,10 +43,10 @@ from typing import Any
 
 import numpy as np
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..errors import SpecError
-from ..spec import LengthsSpec, _Frozen, _lengths_kind, _no_bool, _spec_error, _yaml_with_lines
+from ..spec import LengthsSpec, _Frozen, _lengths_kind, _no_bool, validate_yaml_file
 
 # version of the config -> workload mapping; part of every config_id (bump it when the mapping changes)
 ASSIGNMENT_SCHEME = "round-robin+seeded-shuffle/v1"
@@ -362,18 +362,8 @@ def load_grid(path: str | Path) -> GridSpec:
     file = str(path)
     if not path.is_file():
         raise SpecError(f"{path}: file not found" if not path.exists() else f"{path}: not a file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read file ({' '.join(str(exc).split())})") from None
-    data, lines = _yaml_with_lines(text, file)
-    if not isinstance(data, dict):
-        raise SpecError(f"{file}:{lines.get((), 1)}: expected a mapping with model, rank_tuples, "
-                        f"served_adapters, adapter_slots and rate_pool_rps or rate_tuples")
-    try:
-        grid = GridSpec.model_validate(data)
-    except ValidationError as exc:
-        raise _spec_error(exc, file, lines, data, GridSpec) from None
+    grid, lines = validate_yaml_file(path, GridSpec, "model, rank_tuples, served_adapters, adapter_slots and "
+                                                     "rate_pool_rps or rate_tuples")
     problem = _profile_problem(grid)
     if problem is not None:
         key, msg = problem
