@@ -41,18 +41,17 @@ STOP_FULL, STOP_CERTAIN, STOP_LIKELY, STOP_HEALTHY = "full", "certain_starved", 
 
 @dataclass(frozen=True)
 class EarlyStopOptions:
-    """Switches and thresholds of the early-termination rules (defaults measured by
-    ``bench/sweep_shortcuts.py``: label agreement 100 % and throughput SMAPE ≈ 0.3 % on 345 random grid
-    configurations against full-length runs)."""
+    """Switches and thresholds of the early-termination rules. The defaults trade speed for accuracy of the
+    extrapolated throughput; ``bench/sweep_shortcuts.py`` measures both against full-length runs."""
 
     certain: bool = True
     likely: bool = True
     healthy: bool = True
     window_s: float = 60.0
-    starved_min_s: float = 900.0  # starved extrapolation needs a settled goodput
-    starved_windows: int = 10  # windows used for the goodput trend
+    starved_min_s: float = 1200.0  # starved extrapolation needs a settled goodput
+    starved_windows: int = 15  # windows used for the goodput trend
     starved_margin: float = 0.05  # likely test: goodput < (0.9 - margin) x offered in each of them
-    starved_max_drift: float = 0.01  # trend x remaining time must stay within 1 % of the goodput
+    starved_max_drift: float = 0.005  # trend x remaining time must stay within 0.5 % of the goodput
     trend_p: float = 0.01  # one-sided p-value for "the waiting queue grows"
     healthy_min_s: float = 900.0
     healthy_ratio: float = 0.97
