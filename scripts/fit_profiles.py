@@ -1,43 +1,58 @@
-"""Fit the shipped profiles from a profiling data directory (twin.md §3.5 step 1, §3.6).
+"""Fit the shipped profiles with the full procedure (twin.md §3.5 steps 1-2, §3.6): ``make profiles``.
 
-Usage: python scripts/fit_profiles.py [--data-dir DIR] [--out-dir DIR] [--model KEY ...]
+Usage: python scripts/fit_profiles.py [--data-dir DIR] [--out-dir DIR] [--report-dir DIR] [--model KEY ...]
 
-The data directory defaults to $LORAPACK_DATA, else ../shared/data next to the repository. Output files are
-``<gpu>__vllm-<version>__<model>.yaml``; re-running on the same data only changes ``provenance.date``.
+For each reference model: closed-form priors from ``DIR/profiling``, simulation-based refinement of the
+step-time constants against ``DIR/real-runs/calibration.csv``, validation on all its runs, fit-report plots,
+and the profile ``<gpu>__vllm-<version>__<model>.yaml`` (exactly ``lorapack calibrate``). The data directory
+defaults to $LORAPACK_DATA, else ../shared/data next to the repository. Everything is seeded: re-running on
+the same data reproduces the same constants; only ``provenance.date`` changes. It takes a while (hundreds of
+simulated hours per model); it need not run in CI.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
-from lorapack.calibrate import default_data_dir, fit_priors
+from lorapack.calibrate import default_data_dir
+from lorapack.calibrate.command import DEFAULT_MAX_EVALS, calibrate, default_profile_name
+from lorapack.calibrate.priors import CALIBRATION_CSV
 from lorapack.errors import LorapackError
-from lorapack.profile import PROFILE_DIR, save_profile
+from lorapack.profile import PROFILE_DIR
 
 MODELS = ("llama-3.1-8b-instruct", "qwen-2.5-7b-instruct")
 GPU = "h100-64gb"
 VLLM_VERSION = "0.8.5"
+REPORT_DIR = Path(__file__).resolve().parent.parent / "docs" / "calibration"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-dir", type=Path, default=None, help="profiling data directory (default: %(default)s)")
+    ap.add_argument("--data-dir", type=Path, default=None, help="data directory (default: $LORAPACK_DATA or "
+                                                                 "../shared/data)")
     ap.add_argument("--out-dir", type=Path, default=PROFILE_DIR, help="where to write the profile YAML files")
+    ap.add_argument("--report-dir", type=Path, default=REPORT_DIR, help="fit-report plots, one folder per model")
     ap.add_argument("--model", action="append", choices=MODELS, help="fit only this model (repeatable)")
+    ap.add_argument("--workers", type=int, default=0, help="parallel processes (0 = all cores)")
     args = ap.parse_args(argv)
     data_dir = args.data_dir or default_data_dir()
     try:
         for model in args.model or MODELS:
-            prof = fit_priors(data_dir, model, gpu=GPU, vllm_version=VLLM_VERSION)
-            out = args.out_dir / f"{GPU}__vllm-{VLLM_VERSION}__{model}.yaml"
-            save_profile(prof, out)
-            st, mem = prof.steptime, prof.memory
-            print(f"{out}: T0={mem.kv_tokens_base:.0f} k={mem.kv_tokens_per_slot_rank:.3f} "
-                  f"c={mem.kv_tokens_per_slot:.2f} c0={st.c0_ms:.5f} c1={st.c1_ms_per_req:.7f} "
-                  f"p1={st.p1_ms_per_prefill_token:.5f} e=({st.e0_ms:.3f}, {st.e1_ms_per_token:.4f}, "
-                  f"{st.e2_ms_per_adapter:.3f}) k=({st.k0_pct:.2f}, {st.k1_pct_per_adapter:.4f})")
+            t0 = time.perf_counter()
+            out = args.out_dir / default_profile_name(model, GPU, VLLM_VERSION)
+            s = calibrate(data_dir / "profiling", model, gpu=GPU, vllm_version=VLLM_VERSION,
+                          runs=data_dir / CALIBRATION_CSV, out=out, report=args.report_dir / model,
+                          workers=args.workers, max_evals=DEFAULT_MAX_EVALS,
+                          log=lambda msg: print(msg, file=sys.stderr, flush=True))
+            v = s["validation"]["refined"]
+            ref = ", ".join(f"{k}={f['refined']:.4g}" for k, f in s["refinement"]["free"].items())
+            print(f"{out}: {ref}\n  validation: SMAPE thr {v['smape_throughput']:.2f} % ITL {v['smape_itl']:.2f} % "
+                  f"TTFT {v['smape_ttft']:.2f} % (no factor 2), starved agreement {v['starved_agreement']:.3f} "
+                  f"(clear {v['starved_agreement_clear']:.3f}), OOM {v['oom_agreement']:.3f} "
+                  f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     except LorapackError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

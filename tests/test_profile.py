@@ -37,7 +37,8 @@ def test_shipped_profile_loads(model: str) -> None:
     assert (p.model, p.gpu, p.vllm_version) == (model, "h100-64gb", "0.8.5")
     assert p.max_model_len == {LLAMA: 131072, QWEN: 32768}[model]
     assert (p.block_size, p.max_num_batched_tokens, p.max_num_seqs) == (16, 2048, 2048)
-    assert p.steptime.lora_form == "additive" and p.steptime.gamma == 0.0
+    assert p.steptime.lora_form == "additive"
+    assert p.priors is not None and p.priors.steptime.gamma == 0.0  # the closed-form prior has no rank scaling
     assert len(p.memory.measured) == 42
     assert {"inputs", "fits", "date", "lorapack_version"} <= set(p.provenance)
 
@@ -101,7 +102,8 @@ def test_disk_ms(model: str) -> None:
 ])
 def test_shipped_priors_match_twin_reference(model: str, ref: dict) -> None:
     p = find_profile(model)
-    st, mem = p.steptime, p.memory
+    assert p.priors is not None
+    st, mem = p.priors.steptime, p.memory
     assert st.c0_ms == pytest.approx(ref["c0"], rel=1e-6)
     assert st.c1_ms_per_req == pytest.approx(ref["c1"], rel=1e-5)
     assert st.p1_ms_per_prefill_token == pytest.approx(ref["p1"], rel=0.03)
@@ -186,13 +188,18 @@ def _assert_close(a: object, b: object, path: str = "") -> None:
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_refit_matches_shipped_profile(data_dir: Path, model: str) -> None:
-    """Re-running the prior fits on the data reproduces the shipped profile (all but provenance)."""
-    fitted = fit_priors(data_dir, model).model_dump(mode="json")
-    shipped = find_profile(model).model_dump(mode="json")
-    prov_fitted, prov_shipped = fitted.pop("provenance"), shipped.pop("provenance")
-    _assert_close(shipped, fitted)
-    assert prov_fitted["inputs"] == prov_shipped["inputs"], "the data changed since the profile was fitted"
+def test_refit_matches_shipped_priors(data_dir: Path, model: str) -> None:
+    """Re-running the closed-form prior fits on the data reproduces the shipped profile's priors section, and
+    every section the refinement does not touch (memory, scheduler, loading, limits)."""
+    fitted = fit_priors(data_dir, model)
+    shipped = find_profile(model)
+    assert shipped.priors is not None
+    _assert_close(shipped.priors.steptime.model_dump(mode="json"), fitted.steptime.model_dump(mode="json"))
+    drop = {"provenance", "steptime", "priors", "runs_lengths"}
+    _assert_close({k: v for k, v in shipped.model_dump(mode="json").items() if k not in drop},
+                  {k: v for k, v in fitted.model_dump(mode="json").items() if k not in drop})
+    _assert_close(shipped.provenance["fits"], fitted.provenance["fits"])
+    assert fitted.provenance["inputs"] == shipped.provenance["inputs"], "the data changed since the profile was fitted"
 
 
 # ---- data-dir discovery and DataError -------------------------------------------------------------------

@@ -142,6 +142,9 @@ def simulate(
     client_cap: Annotated[int, typer.Option(help="Client-saturation cap on waiting requests (0 = off).")] = 0,
     max_model_len: Annotated[int | None, typer.Option(help="--max-model-len (default: the model's).")] = None,
     cold_start: Annotated[bool, typer.Option(help="Start with empty GPU adapter slots.")] = False,
+    early_stop: Annotated[bool, typer.Option(
+        help="Stop once the outcome is clear (healthy, or starving) and extrapolate the run-level metrics "
+             "(needs --client-cap 0; see stop_reason / simulated_s).")] = False,
     timeline: Annotated[Path | None, typer.Option(help="Write the 2 s timeline to this CSV.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -165,7 +168,9 @@ def simulate(
     compile_s = warm_up()
     flags = ServerFlags(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                         max_model_len=max_model_len, client_cap=client_cap, warm_start=not cold_start)
-    out, res = run_sim(prof, wl, flags, duration_s, seed)
+    from .twin.early import EarlyStopOptions
+
+    out, res = run_sim(prof, wl, flags, duration_s, seed, EarlyStopOptions() if early_stop else None)
     out["compile_s"] = compile_s
     if timeline is not None:
         if res is None:
@@ -336,6 +341,11 @@ def sweep(
                   f"grid size {summary['grid_size']:,}.")
     if not summary["early_stop_active"] and early_stop:
         console.print("note: this twin has no early termination; every simulated row is a full run.")
+
+
+from .calibrate.cli_command import calibrate_command  # noqa: E402  (typer command defined with its module)
+
+app.command("calibrate")(calibrate_command)
 
 
 def main() -> None:

@@ -45,18 +45,26 @@ class MemoryModel(_Frozen):
 
 
 class StepTimeModel(_Frozen):
+    """Forward-pass time of one step (twin.md §3.1; formula in ``twin.steptime.compute_ms``).
+
+    ``base = c0 + c1*B + p1*n_pf + a3*ctx/1000``; additive LoRA part, when the batch uses adapters:
+    ``e0 + (S/8)**gamma * ((e1 + e4*A/1000)*B_dec + (e1p + e4*A/1000)*n_pf + e2*L + e3*B*L/1000)``.
+    """
+
     c0_ms: float
     c1_ms_per_req: float
     p1_ms_per_prefill_token: float
     a3_ms_per_kctx: float = 0.0
     lora_form: Literal["additive", "multiplicative"] = "additive"
     e0_ms: float = 0.0
-    e1_ms_per_token: float = 0.0
+    e1_ms_per_token: float = 0.0  # per decode token
     e2_ms_per_adapter: float = 0.0
     e3_ms_per_kreq_adapter: float = 0.0
     gamma: float = 0.0  # LoRA cost scales with (S/8)**gamma
     k0_pct: float = 100.0
     k1_pct_per_adapter: float = 0.0
+    e1p_ms_per_prefill_token: float | None = None  # per prefill token; None = e1_ms_per_token
+    e4_ms_per_ktok_slot: float = 0.0  # per token and 1000 GPU slots (A): kernel grid over all slots
 
 
 class SchedulerModel(_Frozen):
@@ -85,6 +93,25 @@ class LoadingModel(_Frozen):
     disk: list[DiskPoint]  # disk -> CPU, by adapter rank
 
 
+class RunsLengths(_Frozen):
+    """The ShareGPT-like length law (twin.md §5 log-normal fallback) that best rebuilds the real runs the
+    profile was refined against: their prompt pool tokenised for this model. ``lorapack validate`` rebuilds
+    runs with it; the generic workload default (cv 1.1) is an inference, this one is fitted."""
+
+    kind: Literal["lognormal"] = "lognormal"
+    cv: float = Field(gt=0)
+
+
+class Priors(_Frozen):
+    """The closed-form fits of the profiling data (twin.md §3.5 step 1), kept beside the refined values.
+
+    Only sections that a later stage changes are stored: ``steptime`` is refined against end-to-end runs
+    (step 2); memory, scheduler and loading are used as fitted (the top-level sections are their priors).
+    """
+
+    steptime: StepTimeModel
+
+
 class Profile(_Frozen):
     schema_version: int = 1
     model: str
@@ -98,6 +125,8 @@ class Profile(_Frozen):
     steptime: StepTimeModel
     scheduler: SchedulerModel
     loading: LoadingModel
+    priors: Priors | None = None  # closed-form fits before refinement (None: the sections above are the fits)
+    runs_lengths: RunsLengths | None = None  # fitted length law for rebuilding real runs (None: spec default)
     provenance: dict = Field(default_factory=dict)
 
     # ---- memory and the start-up rule (twin.md §3.4) ----

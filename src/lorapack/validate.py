@@ -64,8 +64,11 @@ def read_runs(path: str | Path) -> list[dict]:
         return list(reader)
 
 
-def build_workload(row: dict, seed: int, lengths: str = "lognormal"):
-    """The row's workload: shuffled rank/rate assignment, pool-mean lengths, Poisson arrivals."""
+def build_workload(row: dict, seed: int, lengths: str = "lognormal", cv: float | None = None):
+    """The row's workload: shuffled rank/rate assignment, pool-mean lengths, Poisson arrivals.
+
+    ``cv``: post-filter CV of log-normal lengths (None = the spec default); a profile's fitted
+    ``runs_lengths.cv`` is passed here by the validation."""
     from .spec import Adapter, LengthsSpec, PoissonArrivals, Workload
 
     n = int(float(row["n_adapters"]))
@@ -80,8 +83,9 @@ def build_workload(row: dict, seed: int, lengths: str = "lognormal"):
     mo = _num(row, "mean_output_tokens", 197.0)
     adapters = [Adapter(adapter_id=f"adapter-{i}", rank=int(ranks[i]), rate_rps=float(rates[i]))
                 for i in range(n)]
+    extra = {"cv": float(cv)} if cv is not None and lengths == "lognormal" else {}
     return Workload(adapters=adapters, lengths=LengthsSpec(kind=lengths, mean_input_tokens=mi,
-                                                           mean_output_tokens=mo),
+                                                           mean_output_tokens=mo, **extra),
                     arrivals=PoissonArrivals(), duration_s=_num(row, "window_s", 3600.0))
 
 
@@ -124,7 +128,7 @@ def _simulate_row_inner(row: dict, seed: int, lengths: str, gpu: str) -> dict:
     from .twin.run import REAL_CLIENT_CAP, ServerFlags, simulate
 
     prof = find_profile(row["model"], gpu)
-    wl = build_workload(row, seed, lengths)
+    wl = build_workload(row, seed, lengths, prof.runs_lengths.cv if prof.runs_lengths else None)
     flags = ServerFlags(
         max_loras=int(float(row["max_loras"])), max_lora_rank=int(float(row["max_lora_rank"])),
         max_cpu_loras=int(_num(row, "max_cpu_loras", float(row["n_adapters"]))),

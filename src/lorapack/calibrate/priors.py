@@ -253,6 +253,26 @@ def _overhead_rows(lora: _Csv, model: str) -> tuple[list[dict[str, str]], np.nda
     return rows, lv, int(use_log.sum())
 
 
+def lora_overhead_points(profiling_dir: str | Path, model: str) -> list[dict]:
+    """Directly measured LoRA step overheads of ``model`` (``overhead_small`` flood runs: decode-only steps).
+
+    Per run: ``max_loras``, ``max_lora_rank``, ``batch`` (mean running), ``n_lora`` (distinct adapters per
+    batch, server log else the uniform expectation) and ``overhead_ms = mean_itl_ms - baseline_itl_ms_no_lora``
+    (the no-LoRA run at the same output length). The refinement uses them as anchors of the LoRA term."""
+    pdir = Path(profiling_dir)
+    lora = _Csv(pdir.parent, f"{pdir.name}/{Path(LORA_CSV).name}",
+                ["model", "kind", "status", "mean_itl_ms", "mean_batch_size", "max_loras", "max_lora_rank",
+                 "baseline_itl_ms_no_lora", "unique_adapters_mean", "expected_unique_adapters_uniform"])
+    rows, lv, _ = _overhead_rows(lora, model)
+    what = f"{model} overhead_small"
+    over = lora.num(rows, "mean_itl_ms", what) - lora.num(rows, "baseline_itl_ms_no_lora", what)
+    a = lora.num(rows, "max_loras", what)
+    s = lora.num(rows, "max_lora_rank", what)
+    b = lora.num(rows, "mean_batch_size", what)
+    return [{"max_loras": int(a[i]), "max_lora_rank": int(s[i]), "batch": float(b[i]), "n_lora": float(lv[i]),
+             "overhead_ms": float(over[i])} for i in range(len(rows)) if over[i] > 0]
+
+
 def fit_lora_multiplicative(lora: _Csv, model: str) -> tuple[float, float, dict]:
     """Paper form: ``itl_pct_of_baseline = k0 + k1·L`` by OLS (twin.md §3.1)."""
     rows, lv, n_log = _overhead_rows(lora, model)
@@ -265,28 +285,35 @@ def fit_lora_multiplicative(lora: _Csv, model: str) -> tuple[float, float, dict]
     return float(k0), float(k1), prov
 
 
-def fit_lora_additive(lora: _Csv, calib: _Csv, model: str, c0: float, c1: float
+def fit_lora_additive(lora: _Csv, calib: _Csv | None, model: str, c0: float, c1: float
                       ) -> tuple[tuple[float, float, float], dict]:
-    """Indicative joint fit of ``e0 + e1·n_tok + e2·L`` on the residual over the decode base (twin.md §3.1)."""
+    """Indicative joint fit of ``e0 + e1·n_tok + e2·L`` on the residual over the decode base (twin.md §3.1).
+
+    ``calib`` (end-to-end runs) is optional: without it only the overhead runs are used."""
     rows, lv, _ = _overhead_rows(lora, model)
     b = lora.num(rows, "mean_batch_size", f"{model} overhead_small")
     y1 = lora.num(rows, "mean_itl_ms", f"{model} overhead_small") - (c0 + c1 * b)
 
     # Non-queueing real runs: the batch is the running gauge, distinct adapters the uniform expectation.
-    crow = calib.select(f"{model} ok non-queueing (waiting_max <= {NON_QUEUEING_WAITING_MAX:g})",
-                        lambda r: r["model"] == model and r["status"].strip() == "ok"
-                        and _to_float(r["waiting_max"]) <= NON_QUEUEING_WAITING_MAX, min_rows=0)
+    crow = [] if calib is None else calib.select(
+        f"{model} ok non-queueing (waiting_max <= {NON_QUEUEING_WAITING_MAX:g})",
+        lambda r: r["model"] == model and r["status"].strip() == "ok"
+        and _to_float(r["waiting_max"]) <= NON_QUEUEING_WAITING_MAX, min_rows=0)
     what = f"{model} non-queueing"
-    bc = calib.num(crow, "running_mean", what)
-    n = calib.num(crow, "n_adapters", what)
-    a = calib.num(crow, "max_loras", what)
-    y2 = calib.num(crow, "itl_mean_ms", what) - (c0 + c1 * bc)
+    if calib is None:
+        bc = n = a = y2 = np.zeros(0)
+    else:
+        bc = calib.num(crow, "running_mean", what)
+        n = calib.num(crow, "n_adapters", what)
+        a = calib.num(crow, "max_loras", what)
+        y2 = calib.num(crow, "itl_mean_ms", what) - (c0 + c1 * bc)
     l2 = np.minimum(a, n * (1.0 - (1.0 - 1.0 / n) ** bc))
 
     x = np.vstack([np.column_stack([np.ones_like(b), b, lv]), np.column_stack([np.ones_like(bc), bc, l2])])
     y = np.concatenate([y1, y2])
     if len(y) < 4:
-        raise DataError(f"{lora.path} + {calib.path}: {len(y)} points for the additive LoRA fit, need at least 4")
+        src = f"{lora.path}" + (f" + {calib.path}" if calib is not None else "")
+        raise DataError(f"{src}: {len(y)} points for the additive LoRA fit, need at least 4")
     coef = _ols(x, y)
     method = "OLS"
     if np.any(coef < 0):  # a negative cost is unphysical: constrain every coefficient to be >= 0
@@ -300,7 +327,7 @@ def fit_lora_additive(lora: _Csv, calib: _Csv, model: str, c0: float, c1: float
         "parameters": {"e0_ms": e0, "e1_ms_per_token": e1, "e2_ms_per_adapter": e2}, **_fit_stats(y, x @ coef)}
     # Same fit with the runs of one --max-lora-rank only: shows the rank dependence that gamma may absorb later
     # (the overhead rows are S = 8, the calibration runs S = 16 or 32). Recorded, not used.
-    s = calib.num(crow, "max_lora_rank", what) if crow else np.zeros(0)
+    s = calib.num(crow, "max_lora_rank", what) if calib is not None and crow else np.zeros(0)
     alt = {}
     for sv in sorted(set(s.tolist())):
         keep = np.concatenate([np.ones(len(y1), dtype=bool), s == sv])
@@ -382,7 +409,7 @@ def _max_model_len(mem: _Csv, model: str) -> tuple[int, str]:
     """The model's default context limit, cross-checked against refused start-ups where possible."""
     props = MODEL_PROPERTIES.get(model)
     if props is None:
-        raise DataError(f"no max_model_len known for model '{model}': add it to MODEL_PROPERTIES "
+        raise DataError(f"no max_model_len known for model '{model}': pass --max-model-len "
                         f"(known: {', '.join(sorted(MODEL_PROPERTIES))})")
     mml = props["max_model_len"]
     needed = [_to_float(r.get("kv_needed_gib")) for r in mem.rows if r["model"] == model]
@@ -404,35 +431,69 @@ def _single_int(f: _Csv, rows: list[dict[str, str]], col: str) -> int:
 
 
 def fit_priors(data_dir: str | Path, model: str, gpu: str = "h100-64gb", vllm_version: str = "0.8.5") -> Profile:
-    """Fit every estimator of ``model`` from the profiling directory ``data_dir`` (twin.md §3.5 step 1).
+    """Fit every estimator of ``model`` from the data directory ``data_dir`` (twin.md §3.5 step 1).
 
-    ``gpu`` and ``vllm_version`` are labels of the setup the data was measured on (H100-64GB, vLLM 0.8.5).
+    ``data_dir`` is laid out like ``../shared/data``: ``profiling/*.csv`` and ``real-runs/calibration.csv``
+    (whose non-queueing runs join the additive LoRA fit). ``gpu`` and ``vllm_version`` are labels of the
+    setup the data was measured on (H100-64GB, vLLM 0.8.5).
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise DataError(f"{data_dir}: data directory not found")
-    mem = _Csv(data_dir, MEMORY_CSV, ["model", "max_loras", "max_lora_rank", "kv_cache_tokens", "status",
-                                       "error_type", "max_num_seqs", "max_num_batched_tokens"])
-    default = _Csv(data_dir, DEFAULT_CSV, ["model", "phase", "status", "max_num_seqs", "max_loras",
-                                           "mean_itl_ms", "mean_batch_size", "step_ms_mean", "n_steps",
-                                           "total_input_tokens", "kv_cache_tokens"])
-    lora = _Csv(data_dir, LORA_CSV, ["model", "kind", "status", "mean_itl_ms", "mean_batch_size",
-                                      "itl_pct_of_baseline", "unique_adapters_mean",
-                                      "expected_unique_adapters_uniform"])
-    summary = _Csv(data_dir, LOAD_SUMMARY_CSV, ["model", "adapter_rank", "max_lora_rank",
-                                                "memory_load_ms_mean_after_init"])
-    events = _Csv(data_dir, LOAD_EVENTS_CSV, ["model", "adapter_rank", "load_kind", "event_index",
-                                              "load_time_ms"])
+    return fit_priors_from(data_dir / "profiling", data_dir / CALIBRATION_CSV, model, gpu, vllm_version)
+
+
+def _rel_key(path: Path, root: Path) -> tuple[Path, str]:
+    """(base, relative name) of a data file for provenance: relative to ``root`` when inside it."""
+    path = Path(path)
+    try:
+        return root, path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return path.parent, path.name
+
+
+def fit_priors_from(profiling_dir: str | Path, runs_csv: str | Path | None, model: str, gpu: str = "h100-64gb",
+                    vllm_version: str = "0.8.5", max_model_len: int | None = None) -> Profile:
+    """Like ``fit_priors`` for a profiling directory laid out like ``../shared/data/profiling`` and an
+    optional runs CSV (schema of ``real-runs/calibration.csv``; None = fit the LoRA prior on the overhead runs
+    only). Provenance names the files relative to the profiling directory's parent. ``max_model_len`` is
+    needed for models outside ``MODEL_PROPERTIES`` (the server's context limit, for the start-up rule)."""
+    pdir = Path(profiling_dir)
+    if not pdir.is_dir():
+        raise DataError(f"{pdir}: profiling directory not found")
+    root = pdir.parent
+    sub = pdir.name
+
+    def prof_csv(name: str, required: list[str]) -> _Csv:
+        return _Csv(root, f"{sub}/{Path(name).name}", required)
+
+    mem = prof_csv(MEMORY_CSV, ["model", "max_loras", "max_lora_rank", "kv_cache_tokens", "status",
+                                "error_type", "max_num_seqs", "max_num_batched_tokens"])
+    default = prof_csv(DEFAULT_CSV, ["model", "phase", "status", "max_num_seqs", "max_loras",
+                                     "mean_itl_ms", "mean_batch_size", "step_ms_mean", "n_steps",
+                                     "total_input_tokens", "kv_cache_tokens"])
+    lora = prof_csv(LORA_CSV, ["model", "kind", "status", "mean_itl_ms", "mean_batch_size",
+                               "itl_pct_of_baseline", "unique_adapters_mean", "expected_unique_adapters_uniform"])
+    summary = prof_csv(LOAD_SUMMARY_CSV, ["model", "adapter_rank", "max_lora_rank", "memory_load_ms_mean_after_init"])
+    events = prof_csv(LOAD_EVENTS_CSV, ["model", "adapter_rank", "load_kind", "event_index", "load_time_ms"])
     sched_cols = ["gpu_loras", "cpu_loras", "avg_batch_size", "avg_waiting_queue", "total_scheduling_time", "steps"]
-    scheds = [_Csv(data_dir, rel, sched_cols) for rel in SCHED_CSVS]
-    calib = _Csv(data_dir, CALIBRATION_CSV, ["model", "status", "n_adapters", "max_loras", "max_lora_rank",
-                                             "itl_mean_ms", "running_mean", "waiting_max"])
-    files = [mem, default, lora, summary, events, *scheds, calib]
+    scheds = [prof_csv(rel, sched_cols) for rel in SCHED_CSVS]
+    calib = None
+    if runs_csv is not None:
+        base, rel = _rel_key(Path(runs_csv), root)
+        calib = _Csv(base, rel, ["model", "status", "n_adapters", "max_loras", "max_lora_rank",
+                                 "itl_mean_ms", "running_mean", "waiting_max"])
+    files = [mem, default, lora, summary, events, *scheds] + ([calib] if calib is not None else [])
 
     model_rows = mem.select(model, lambda r: r["model"] == model)
     mns = _single_int(mem, model_rows, "max_num_seqs")
     mnbt = _single_int(mem, model_rows, "max_num_batched_tokens")
-    mml, mml_src = _max_model_len(mem, model)
+    if max_model_len is not None:
+        if max_model_len < 1:
+            raise DataError(f"--max-model-len {max_model_len}: expected a positive number of tokens")
+        mml, mml_src = int(max_model_len), "given by the user (--max-model-len)"
+    else:
+        mml, mml_src = _max_model_len(mem, model)
 
     memory, p_mem = fit_memory(mem, default, model, mns)
     c0, c1, p_dec = fit_decode(default, model)
@@ -446,7 +507,7 @@ def fit_priors(data_dir: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
                              lora_form="additive", e0_ms=e0, e1_ms_per_token=e1, e2_ms_per_adapter=e2,
                              e3_ms_per_kreq_adapter=0.0, gamma=0.0, k0_pct=k0, k1_pct_per_adapter=k1)
     provenance = _floats({
-        "generated_by": "lorapack.calibrate.priors.fit_priors (scripts/fit_profiles.py)",
+        "generated_by": "lorapack.calibrate.priors.fit_priors_from",
         "stage": "priors (twin.md section 3.5 step 1)",
         "lorapack_version": __version__,
         "date": datetime.now(UTC).replace(microsecond=0).isoformat(),

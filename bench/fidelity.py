@@ -1,0 +1,161 @@
+"""Twin fidelity on the real calibration runs: in-sample and leave-one-group-out (issue 3, twin.md §8.2).
+
+Usage: python bench/fidelity.py [--data-dir DIR] [--out bench/results/fidelity.json] [--seeds 1] [--no-logo]
+
+* **in-sample**: the shipped profiles (``lorapack/profiles``) on every run of ``real-runs/calibration.csv``,
+  rebuilt as ``lorapack validate`` does;
+* **leave-one-group-out**: for each model and each of the three rate/rank groups (the middle part of
+  ``run_id``), the closed-form priors are re-fitted and the step-time constants refined (exactly as
+  ``lorapack calibrate``) on the runs of the two other groups only, then scored on the held-out group. The
+  pooled row scores all held-out predictions together.
+
+Scores: SMAPE of throughput, ITL and TTFT (completed-only mean) in both conventions (``smape_*``: paper
+convention, no factor 2; ``smape_*_2x``: usual), starvation agreement overall and on clear runs (real ratio
+outside 0.85-0.95) with confusion matrices, OOM agreement. Writes JSON and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import math
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from lorapack import __version__
+from lorapack.calibrate import default_data_dir
+from lorapack.calibrate.command import DEFAULT_MAX_EVALS, refine_profile, validate_profile
+from lorapack.calibrate.priors import CALIBRATION_CSV, fit_priors_from, lora_overhead_points
+from lorapack.calibrate.refine import run_group, score_runs
+from lorapack.profile import find_profile
+from lorapack.validate import read_runs
+
+MODELS = ("llama-3.1-8b-instruct", "qwen-2.5-7b-instruct")
+OUT = Path(__file__).resolve().parent / "results" / "fidelity.json"
+KEYS = ("smape_throughput", "smape_itl", "smape_ttft", "smape_throughput_2x", "smape_itl_2x", "smape_ttft_2x",
+        "starved_agreement", "starved_agreement_clear", "oom_agreement")
+
+
+def _clean(x):
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_evals: tuple[int, int],
+         workers: int) -> dict:
+    """Leave-one-group-out for one model: refine on two groups, score the third; plus the pooled scores."""
+    groups = sorted({run_group(r["run_id"]) for r in rows})
+    anchors = lora_overhead_points(data_dir / "profiling", model)
+    held: dict[str, dict] = {}
+    all_rows: list[dict] = []
+    all_preds: list[dict] = []
+    for g in groups:
+        train = [r for r in rows if run_group(r["run_id"]) != g]
+        test = [r for r in rows if run_group(r["run_id"]) == g]
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:  # priors from the training runs only (no leakage)
+            runs_csv = Path(tmp) / "train.csv"
+            _write_rows(runs_csv, train)
+            prior = fit_priors_from(data_dir / "profiling", runs_csv, model)
+        tag = f"  [held out: {g}] "
+        prof, prov = refine_profile(prior, train, anchors=anchors, seeds=seeds, max_evals=max_evals,
+                                    workers=workers, log=lambda s, tag=tag: print(tag + s, file=sys.stderr, flush=True))
+        scores, table = validate_profile(prof, test, seeds=seeds, workers=workers)
+        scores.pop("by_group", None)
+        held[g] = {"train_runs": len(train), "test_runs": len(test), "scores": scores,
+                   "refined": {k: v["refined"] for k, v in prov["free"].items()},
+                   "wall_s": time.perf_counter() - t0}
+        all_rows += test
+        all_preds += [_pred_from_table(t) for t in table]
+    return {"held_out": held, "pooled": score_runs(all_rows, all_preds)}
+
+
+def _pred_from_table(t: dict) -> dict:
+    return {"oom": t["predicted_oom"], "throughput_tok_s": t["predicted_throughput_tok_s"],
+            "itl_mean_ms": t["predicted_itl_ms"], "ttft_mean_ms": t["predicted_ttft_ms"],
+            "starved": t["predicted_starved"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data-dir", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--seeds", type=int, default=1, help="seeds per run (metrics averaged)")
+    ap.add_argument("--workers", type=int, default=0, help="parallel processes (0 = all cores)")
+    ap.add_argument("--max-evals", default=",".join(map(str, DEFAULT_MAX_EVALS)),
+                    help="least-squares evaluations of the two refinement stages in leave-one-group-out")
+    ap.add_argument("--no-logo", action="store_true", help="in-sample scores only")
+    ap.add_argument("--model", action="append", choices=MODELS)
+    args = ap.parse_args(argv)
+    data_dir = args.data_dir or default_data_dir()
+    runs_path = data_dir / CALIBRATION_CSV
+    seeds = list(range(args.seeds))
+    max_evals = tuple(int(x) for x in args.max_evals.split(","))
+    rows_all = read_runs(runs_path)
+    result: dict = {
+        "generated": datetime.now(UTC).replace(microsecond=0).isoformat(), "lorapack_version": __version__,
+        "runs": CALIBRATION_CSV, "runs_sha256": hashlib.sha256(runs_path.read_bytes()).hexdigest(),
+        "seeds": args.seeds, "lengths": "lognormal (each profile's fitted runs_lengths.cv)",
+        "logo_max_evals": list(max_evals),
+        "conventions": "smape_*: paper convention 100*mean(|y-yhat|/(|y|+|yhat|)); smape_*_2x: usual (factor 2); "
+                       "TTFT: completed-only mean; starved_agreement_clear: runs with real throughput ratio "
+                       "outside 0.85-0.95; oom rows are scored on the start-up rule",
+        "in_sample": {}, "leave_one_group_out": {}}
+    for model in args.model or MODELS:
+        rows = [r for r in rows_all if r["model"] == model]
+        t0 = time.perf_counter()
+        prof = find_profile(model)
+        scores, table = validate_profile(prof, rows, seeds=seeds, workers=args.workers)
+        scores["wall_s"] = time.perf_counter() - t0
+        scores["profile_date"] = prof.provenance.get("date")
+        result["in_sample"][model] = scores
+        if not args.no_logo:
+            result["leave_one_group_out"][model] = logo(data_dir, model, rows, seeds, max_evals, args.workers)
+        del table
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_clean(result), indent=2) + "\n")
+    tmp.replace(args.out)
+    _print(result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _fmt(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.3f}"
+
+
+def _print(result: dict) -> None:
+    head = ["model", "scope", "n"] + [k.replace("smape_", "") for k in KEYS] + ["confusion (tp fn fp tn)"]
+    print(" | ".join(head))
+    for model, s in result["in_sample"].items():
+        lines = [("in-sample", s)] + [(f"  {g}", gs) for g, gs in s.get("by_group", {}).items()]
+        lg = result["leave_one_group_out"].get(model)
+        if lg:
+            lines += [("LOGO pooled", lg["pooled"])] + [(f"  LOGO {g}", h["scores"]) for g, h in lg["held_out"].items()]
+        for scope, sc in lines:
+            c = sc["starvation_confusion"]
+            conf = " ".join(str(c[k]) for k in ("real_starved_pred_starved", "real_starved_pred_healthy",
+                                                "real_healthy_pred_starved", "real_healthy_pred_healthy"))
+            print(" | ".join([model.split("-")[0], scope, str(sc["n_runs"])] + [_fmt(sc[k]) for k in KEYS] + [conf]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""``lorapack calibrate``: fit a profile from profiling data, refine it against end-to-end runs, report.
+
+1. closed-form priors from the profiling directory (``priors.fit_priors_from``, twin.md §3.5 step 1);
+2. with ``--runs``: simulation-based refinement of the free step-time constants (``refine.refine``), in two
+   stages (every third run, then all runs), and a final validation on all runs (``refine.score_runs``);
+3. the profile YAML (priors section + refined values + provenance), written atomically, and optionally the
+   fit-report plots (``report.write_report``).
+
+Every input problem raises a ``DataError`` (one line, exit code 2 in the CLI) before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..errors import DataError
+from ..profile import Priors, Profile, save_profile
+from .priors import _floats, fit_priors_from, lora_overhead_points
+from .refine import (
+    DEFAULT_FREE,
+    FREE_PARAMS,
+    Evaluator,
+    param_value,
+    per_run_table,
+    refine,
+    run_group,
+    score_runs,
+    with_values,
+)
+
+# measured columns a runs CSV needs for the refinement (besides validate.REQUIRED)
+RUNS_MEASURED = ("throughput_tok_s", "itl_mean_ms")
+RUNS_OPTIONAL = ("ttft_mean_ms", "throughput_ratio", "starved")
+MIN_OK_RUNS = 3
+# the refinement's two stages: a search on every SUBSET_STRIDE-th run, then a polish on all runs
+SUBSET_STRIDE = 3
+DEFAULT_MAX_EVALS = (12, 3)  # least-squares evaluations of the two stages (each adds a Jacobian)
+
+
+def default_profile_name(model: str, gpu: str, vllm_version: str) -> str:
+    return f"{gpu}__vllm-{vllm_version}__{model}.yaml"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_runs(path: Path, model: str) -> list[dict]:
+    """The rows of ``model`` in a runs CSV, checked for what the refinement needs (DataError otherwise)."""
+    from ..validate import _num, read_runs
+
+    rows = read_runs(path)
+    cols = set(rows[0]) if rows else set()
+    missing = [c for c in RUNS_MEASURED if c not in cols]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {', '.join(missing)}; expected the real-runs schema "
+                        f"(shared/data/README.md §4)")
+    mine = [r for r in rows if (r.get("model") or "").strip() == model]
+    ok = []
+    for line, r in enumerate(rows, start=2):
+        if (r.get("model") or "").strip() != model:
+            continue
+        status = (r.get("status") or "").strip()
+        if status not in ("ok", "oom"):
+            raise DataError(f"{path}:{line}: status {r.get('status')!r}; expected ok or oom")
+        for c in ("max_loras", "max_lora_rank", "n_adapters"):
+            v = _num(r, c)
+            if v is None or not math.isfinite(v) or v < 1 or v != int(v):
+                raise DataError(f"{path}:{line}: column '{c}' = {r.get(c)!r}; expected an integer >= 1")
+        if status != "ok":
+            continue
+        for c in RUNS_MEASURED:
+            v = _num(r, c)
+            if v is None or not math.isfinite(v) or v <= 0:
+                raise DataError(f"{path}:{line}: column '{c}' is empty, NaN or not positive in an ok run")
+        if not (r.get("rank_counts") or "").strip() or not (r.get("rate_counts") or "").strip():
+            raise DataError(f"{path}:{line}: an ok run needs rank_counts and rate_counts")
+        ok.append(r)
+    if len(ok) < MIN_OK_RUNS:
+        raise DataError(f"{path}: {len(ok)} ok run(s) of {model}, need at least {MIN_OK_RUNS} to refine")
+    return mine
+
+
+def _stage_rows(rows: list[dict], stride: int) -> list[dict]:
+    """Every ``stride``-th ok run in (group, A, N) order: a cheap but representative search subset."""
+    ok = sorted((r for r in rows if (r.get("status") or "").strip() == "ok"),
+                key=lambda r: (run_group(r["run_id"]), int(float(r["max_loras"])), int(float(r["n_adapters"])),
+                               r["run_id"]))
+    return ok[::stride] if len(ok) >= 3 * stride * MIN_OK_RUNS else ok
+
+
+def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] = (), seeds: Sequence[int] = (0,),
+                   lengths: str = "lognormal", free: Sequence[str] = DEFAULT_FREE,
+                   max_evals: tuple[int, int] = DEFAULT_MAX_EVALS, workers: int = 0,
+                   log: Callable[[str], None] | None = None) -> tuple[Profile, dict]:
+    """Refine ``prior``'s step-time constants against ``rows`` (one model); returns (profile, provenance)."""
+    model = prior.model
+    n_jobs = workers if workers > 0 else -1
+    stages = []
+    prof = prior
+    for stage, (stride, nfev) in enumerate(((SUBSET_STRIDE, max_evals[0]), (1, max_evals[1])), start=1):
+        if nfev <= 0:
+            continue
+        sub = _stage_rows(rows, stride)
+        if log:
+            log(f"{model}: refinement stage {stage}: {len(sub)} runs, up to {nfev} least-squares evaluations")
+        with Evaluator(sub, seeds=seeds, lengths=lengths, n_jobs=n_jobs) as ev:
+            res = refine({model: prof}, {model: prior}, sub, ev, free=free, anchors={model: anchors},
+                         max_nfev=nfev, log=log)[model]
+        stages.append({"runs": len(sub), "stride": stride, "max_evaluations": nfev, "evaluations": res.n_evals,
+                       "cost_start": res.cost_start, "cost_end": res.cost_end, "status": res.status,
+                       "values": res.values})
+        prof = with_values(prof, res.values)
+    prov = {
+        "method": "scipy least_squares (trf, soft_l1, forward-difference Jacobian) of the log errors of throughput "
+                  "and ITL over the runs (a 5% error = 1 unit), priors as Gaussian regularisation "
+                  f"(residual (value - prior)/sd); stage 1 on every {SUBSET_STRIDE}rd run, stage 2 on all runs",
+        "free": {n: {"field": FREE_PARAMS[n].field, "unit": FREE_PARAMS[n].unit, "prior_sd": FREE_PARAMS[n].sd,
+                     "prior": param_value(n, prior), "refined": param_value(n, prof)} for n in free},
+        "anchors": f"{len(anchors)} LoRA overhead runs of the profiling data (decode-only steps, measured "
+                   "overhead = ITL - ITL of the no-LoRA run) as extra residuals",
+        "seeds": list(seeds), "lengths": lengths, "stages": stages,
+    }
+    return prof, _floats(prov)
+
+
+def validate_profile(prof: Profile, rows: list[dict], *, seeds: Sequence[int] = (0,), lengths: str = "lognormal",
+                     workers: int = 0) -> tuple[dict, list[dict]]:
+    """Scores and per-run table of ``prof`` on ``rows`` (oom rows are scored on the start-up rule)."""
+    with Evaluator(list(rows), seeds=seeds, lengths=lengths, n_jobs=workers if workers > 0 else -1) as ev:
+        preds = ev({prof.model: prof})
+    table = per_run_table(rows, preds)
+    scores = score_runs(rows, preds)
+    by_group = {}
+    for g in sorted({run_group(r["run_id"]) for r in rows}):
+        sel = [i for i, r in enumerate(rows) if run_group(r["run_id"]) == g]
+        by_group[g] = score_runs([rows[i] for i in sel], [preds[i] for i in sel])
+    scores["by_group"] = by_group
+    return scores, table
+
+
+def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_version: str = "0.8.5",
+              runs: str | Path | None = None, out: str | Path | None = None, report: str | Path | None = None,
+              seeds: int = 1, lengths: str = "lognormal", workers: int = 0,
+              max_evals: tuple[int, int] = DEFAULT_MAX_EVALS, free: Sequence[str] = DEFAULT_FREE,
+              max_model_len: int | None = None, log: Callable[[str], None] | None = None) -> dict:
+    """The whole ``lorapack calibrate`` procedure; returns a summary (also recorded in the profile)."""
+    profiling = Path(profiling)
+    if seeds < 1:
+        raise DataError(f"--seeds {seeds}: expected an integer >= 1")
+    if lengths not in ("fixed", "lognormal"):
+        raise DataError(f"--lengths {lengths}: expected fixed or lognormal")
+    bad = [n for n in free if n not in FREE_PARAMS]
+    if bad:
+        raise DataError(f"--free {','.join(bad)}: unknown; expected names among {', '.join(FREE_PARAMS)}")
+    out_path = Path(out) if out is not None else Path.cwd() / default_profile_name(model, gpu, vllm_version)
+    if not out_path.parent.is_dir():
+        raise DataError(f"--out {out_path}: directory {out_path.parent} does not exist")
+    rows = load_runs(Path(runs), model) if runs is not None else None
+
+    prior = fit_priors_from(profiling, runs, model, gpu=gpu, vllm_version=vllm_version,
+                            max_model_len=max_model_len)
+    prov: dict[str, Any] = dict(prior.provenance)
+    prov["generated_by"] = "lorapack calibrate (lorapack.calibrate.command.calibrate)"
+    prov["stage"] = "priors (twin.md section 3.5 step 1)"
+    prov["date"] = datetime.now(UTC).replace(microsecond=0).isoformat()
+    prov["lorapack_version"] = __version__
+    summary: dict[str, Any] = {"model": model, "gpu": gpu, "vllm_version": vllm_version, "profile": str(out_path),
+                               "fits": _fit_summary(prov.get("fits", {}))}
+    prof = prior
+    table: list[dict] = []
+    table_prior: list[dict] = []
+    if rows is not None:
+        seed_list = list(range(seeds))
+        anchors = lora_overhead_points(profiling, model)
+        prof, p_ref = refine_profile(prior, rows, anchors=anchors, seeds=seed_list, lengths=lengths, free=free,
+                                     max_evals=max_evals, workers=workers, log=log)
+        if log:
+            log(f"{model}: validating on {len(rows)} runs (priors only, then refined)")
+        s_prior, table_prior = validate_profile(prior, rows, seeds=seed_list, lengths=lengths, workers=workers)
+        s_ref, table = validate_profile(prof, rows, seeds=seed_list, lengths=lengths, workers=workers)
+        prov["stage"] = "priors (twin.md section 3.5 step 1) + simulation-based refinement (step 2)"
+        prov["refinement"] = p_ref
+        prov["validation"] = _floats({"runs": Path(runs).name, "runs_sha256": _sha256(Path(runs)),
+                                      "seeds": seeds, "lengths": lengths,
+                                      "scores_note": "SMAPE without the factor 2 (paper convention); *_2x with it; "
+                                                     "TTFT = completed-only mean; agreement = share of labels",
+                                      "priors": s_prior, "refined": s_ref})
+        summary["refinement"] = p_ref
+        summary["validation"] = prov["validation"]
+    final = prof.model_copy(update={"priors": Priors(steptime=prior.steptime), "provenance": _floats(prov)})
+    Profile.model_validate(final.model_dump(mode="json"))  # what is written must load back
+    if report is not None:
+        from .report import write_report
+
+        summary["report"] = write_report(Path(report), final, profiling, table, table_prior)
+    save_profile(final, out_path)  # atomic (temporary file + rename)
+    return summary
+
+
+def _fit_summary(fits: dict) -> dict:
+    """Parameters, R², error and number of points of every prior fit (for the CLI table)."""
+    out = {}
+    for name, f in fits.items():
+        if not isinstance(f, dict):
+            continue
+        if name == "loading":
+            out[name] = {"n_points": f["activation"]["n_points"] + f["disk"]["n_points"],
+                         "parameters": {"disk_medians_ms": f["disk"]["medians_ms"]}}
+            continue
+        params = f.get("parameters") or {k: f[k] for k in ("p1",) if k in f}
+        out[name] = {"parameters": params, "r2": f.get("r2"), "rmse": f.get("rmse"), "n_points": f.get("n_points"),
+                     "mean_rel_err": f.get("mean_rel_err")}
+    return out
