@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from data_helpers import mirror_data_dir, rewrite_csv
 from lorapack.calibrate.command import calibrate
 from lorapack.calibrate.priors import CALIBRATION_CSV
 from lorapack.calibrate.refine import score_runs
@@ -45,25 +46,6 @@ def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *ar
     return code, out, err
 
 
-def _mirror(src: Path, dst: Path) -> Path:
-    """``dst`` with a symlink to every CSV of ``src`` (nothing copied)."""
-    dst.mkdir(parents=True)
-    for f in src.glob("*.csv"):
-        (dst / f.name).symlink_to(f)
-    return dst
-
-
-def _rewrite(path: Path, edit) -> None:
-    """Replace the symlink ``path`` by an edited copy of its target (in the scratch directory only)."""
-    src = path.resolve()
-    path.unlink()
-    with src.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    rows, cols = edit(rows)
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
 
 
 # ---- the step-time form (no data needed) ---------------------------------------------------------------
@@ -237,8 +219,8 @@ def _blank(col: str, pred):
 ], ids=["missing-column", "too-few-points", "nan-values", "missing-loading-column"])
 def test_bad_profiling_input(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                              capsys: pytest.CaptureFixture, fname: str, edit, message: str) -> None:
-    prof_dir = _mirror(data_dir / "profiling", tmp_path / "profiling")
-    _rewrite(prof_dir / fname, edit)
+    prof_dir = mirror_data_dir(data_dir / "profiling", tmp_path / "profiling")
+    rewrite_csv(prof_dir / fname, edit)
     out = tmp_path / "out" / "p.yaml"
     out.parent.mkdir()
     code, stdout, stderr = run_main(monkeypatch, capsys, "calibrate", "--profiling", prof_dir, "--model", LLAMA,
@@ -253,7 +235,7 @@ def test_bad_runs_input(data_dir: Path, tmp_path: Path, monkeypatch: pytest.Monk
                         capsys: pytest.CaptureFixture) -> None:
     runs = tmp_path / "runs.csv"
     runs.symlink_to(data_dir / CALIBRATION_CSV)
-    _rewrite(runs, _drop_col("itl_mean_ms"))
+    rewrite_csv(runs, _drop_col("itl_mean_ms"))
     out = tmp_path / "out" / "p.yaml"
     out.parent.mkdir()
     code, _, stderr = run_main(monkeypatch, capsys, "calibrate", "--profiling", data_dir / "profiling",
@@ -263,7 +245,7 @@ def test_bad_runs_input(data_dir: Path, tmp_path: Path, monkeypatch: pytest.Monk
 
     runs.unlink()
     runs.symlink_to(data_dir / CALIBRATION_CSV)
-    _rewrite(runs, _blank("throughput_tok_s", lambda r: r["model"] == LLAMA and r["status"] == "ok"))
+    rewrite_csv(runs, _blank("throughput_tok_s", lambda r: r["model"] == LLAMA and r["status"] == "ok"))
     code, _, stderr = run_main(monkeypatch, capsys, "calibrate", "--profiling", data_dir / "profiling",
                                "--model", LLAMA, "--runs", runs, "--out", out)
     assert code == 2 and "throughput_tok_s" in stderr and "NaN" in stderr

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data_helpers import mirror_data_dir, rewrite_csv
 from lorapack.calibrate import DATA_ENV_VAR, default_data_dir, fit_priors
 from lorapack.calibrate.priors import CALIBRATION_CSV, LORA_CSV, MEMORY_CSV
 from lorapack.errors import DataError, ProfileError
@@ -212,38 +213,19 @@ def test_default_data_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert default_data_dir().parts[-2:] == ("shared", "data")
 
 
-def _mirror(data_dir: Path, dst: Path) -> Path:
-    """A scratch data dir of symlinks to the real files (nothing is copied into the repository)."""
-    for f in data_dir.rglob("*.csv"):
-        t = dst / f.relative_to(data_dir)
-        t.parent.mkdir(parents=True, exist_ok=True)
-        t.symlink_to(f)
-    return dst
-
-
-def _rewrite(path: Path, edit) -> None:
-    src = path.resolve()
-    path.unlink()
-    with src.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    rows, cols = edit(rows)
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
 
 
 def test_data_errors(data_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(DataError, match="data directory not found"):
         fit_priors(tmp_path / "nowhere", LLAMA)
 
-    d = _mirror(data_dir, tmp_path / "missing")
+    d = mirror_data_dir(data_dir, tmp_path / "missing")
     (d / LORA_CSV).unlink()
     with pytest.raises(DataError, match="latency_lora_overhead.csv: required data file not found"):
         fit_priors(d, LLAMA)
 
-    d = _mirror(data_dir, tmp_path / "nocol")
-    _rewrite(d / MEMORY_CSV, lambda rows: (rows, [c for c in rows[0] if c != "kv_cache_tokens"]))
+    d = mirror_data_dir(data_dir, tmp_path / "nocol")
+    rewrite_csv(d / MEMORY_CSV, lambda rows: (rows, [c for c in rows[0] if c != "kv_cache_tokens"]))
     with pytest.raises(DataError, match="memory_kv_capacity.csv: missing required column.*kv_cache_tokens"):
         fit_priors(d, LLAMA)
 
@@ -253,8 +235,8 @@ def test_data_errors(data_dir: Path, tmp_path: Path) -> None:
                 r["itl_pct_of_baseline"] = ""
         return rows, list(rows[0])
 
-    d = _mirror(data_dir, tmp_path / "nan")
-    _rewrite(d / LORA_CSV, blank_itl)
+    d = mirror_data_dir(data_dir, tmp_path / "nan")
+    rewrite_csv(d / LORA_CSV, blank_itl)
     with pytest.raises(DataError, match="'itl_pct_of_baseline' is empty or NaN"):
         fit_priors(d, LLAMA)
 
