@@ -25,8 +25,33 @@ import time
 import numpy as np
 from numba import njit
 
-from .steptime import compute_ms, sched_ms
+from . import steptime as _steptime_mod
 from .types import TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays
+
+
+def _drop_stale_numba_cache() -> None:
+    """numba's cache only tracks the file of each cached function, not the step-time code it inlines from
+    ``steptime.py``: drop the twin's cached machine code whenever either source file changed."""
+    import hashlib
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    digest = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("engine.py", "steptime.py"))).hexdigest()
+    cache = here / "__pycache__"
+    stamp = cache / "lorapack_twin_sources.sha256"
+    try:
+        if stamp.is_file() and stamp.read_text() == digest:
+            return
+        for f in list(cache.glob("*.nbi")) + list(cache.glob("*.nbc")):
+            f.unlink(missing_ok=True)
+        cache.mkdir(exist_ok=True)
+        stamp.write_text(digest)
+    except OSError:  # read-only install: numba then simply recompiles or reuses what is there
+        pass
+
+
+_drop_stale_numba_cache()
+compute_ms, sched_ms = _steptime_mod.compute_ms, _steptime_mod.sched_ms
 
 _compute_ms = njit(cache=True)(compute_ms)
 _sched_ms = njit(cache=True)(sched_ms)
