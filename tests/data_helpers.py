@@ -1,4 +1,5 @@
-"""Scratch copies of the shared data for error-path tests: symlinks, never copies into the repository."""
+"""Test helpers: scratch copies of the shared data (symlinks, never copies into the repository) and an
+in-process run of the console entry point."""
 
 from __future__ import annotations
 
@@ -28,3 +29,19 @@ def rewrite_csv(path: Path, edit: Callable[[list[dict]], tuple[list[dict], list[
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
+
+
+def run_main(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """The console entry point in-process (``sys.argv`` patched): ``(exit code, stdout, stderr)``."""
+    import sys
+
+    from lorapack.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["lorapack", *[str(a) for a in args]])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -9,18 +9,17 @@ from __future__ import annotations
 import csv
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from data_helpers import mirror_data_dir, rewrite_csv
+from data_helpers import mirror_data_dir, rewrite_csv, run_main
 from lorapack.calibrate.command import calibrate
 from lorapack.calibrate.priors import CALIBRATION_CSV
 from lorapack.calibrate.refine import score_runs
-from lorapack.cli import app, main
+from lorapack.cli import app
 from lorapack.profile import find_profile, load_profile_file
 from lorapack.twin.run import ResolvedServer, step_model
 from lorapack.twin.steptime import StepModel, compute_ms
@@ -32,20 +31,6 @@ runner = CliRunner()
 @pytest.fixture(autouse=True)
 def _no_debug_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LORAPACK_DEBUG", raising=False)
-
-
-def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
-    """The console entry point in-process: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["lorapack", *[str(a) for a in args]])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 
 
 # ---- the step-time form (no data needed) ---------------------------------------------------------------

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from data_helpers import run_main
 from lorapack import cli
-from lorapack.cli import app, main, write_csv_atomic
+from lorapack.cli import app, write_csv_atomic
 from lorapack.errors import SpecError
 from lorapack.spec import example_workload
 
@@ -49,18 +50,6 @@ def sim_json(*args: str) -> dict:
     res = invoke("simulate", *args, "--json")
     assert res.exit_code == 0, res.output
     return json.loads(res.stdout)
-
-
-def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
-    """Call the console entry point in-process; returns (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["lorapack", *[str(a) for a in args]])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_one_line_error(code: int, out: str, err: str, match: str) -> None:

@@ -69,6 +69,12 @@ def _positive_ints(values: list[int]) -> list[int]:
     return sorted(values)
 
 
+def _check_rates(rates: list[float]) -> None:
+    for r in rates:
+        if not math.isfinite(r) or r <= 0:
+            raise ValueError(f"expected finite rates > 0 (got {r})")
+
+
 class GridSpec(_Frozen):
     """A sweep grid as written in YAML (see the module docstring)."""
 
@@ -109,9 +115,7 @@ class GridSpec(_Frozen):
             return None
         if not value:
             raise ValueError("expected at least one rate")
-        for r in value:
-            if not math.isfinite(r) or r <= 0:
-                raise ValueError(f"expected finite rates > 0 (got {r})")
+        _check_rates(value)
         if len(set(value)) != len(value):
             raise ValueError("expected distinct rates")
         return value
@@ -126,9 +130,7 @@ class GridSpec(_Frozen):
         for t in value:
             if not t:
                 raise ValueError("expected non-empty tuples")
-            for r in t:
-                if not math.isfinite(r) or r <= 0:
-                    raise ValueError(f"expected finite rates > 0 (got {r})")
+            _check_rates(t)
         return value
 
     @field_validator("rank_tuples")

@@ -164,14 +164,20 @@ def _load_lengths_table_cached(path: str, mtime_ns: int, size: int) -> np.ndarra
     return table
 
 
-def load_lengths_table(path: str | Path) -> np.ndarray:
-    """(P, O) pairs from a CSV ``input_tokens,output_tokens`` as a read-only int32 [n, 2] array (cached)."""
+def call_cached_by_file(loader, path: str | Path):
+    """``loader(resolved_path, mtime_ns, size)``: an ``lru_cache``d reader keyed by the file's identity, so an
+    edited file is read again."""
     p = Path(path)
     try:
         st = p.stat()
     except OSError:
         raise DataError(f"{p}: file not found") from None
-    return _load_lengths_table_cached(str(p.resolve()), st.st_mtime_ns, st.st_size)
+    return loader(str(p.resolve()), st.st_mtime_ns, st.st_size)
+
+
+def load_lengths_table(path: str | Path) -> np.ndarray:
+    """(P, O) pairs from a CSV ``input_tokens,output_tokens`` as a read-only int32 [n, 2] array (cached)."""
+    return call_cached_by_file(_load_lengths_table_cached, path)
 
 
 def length_draws(spec: LengthsSpec, n: int, rng: np.random.Generator) -> np.ndarray | None:

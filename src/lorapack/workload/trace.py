@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..spec import iter_csv_rows
+from .lengths import call_cached_by_file
 
 TRACE_COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
 
@@ -59,12 +60,7 @@ def _load_trace_cached(path: str, mtime_ns: int, size: int) -> Trace:
 
 def load_trace(path: str | Path) -> Trace:
     """Read a trace CSV ``arrived_at,num_prefill_tokens,num_decode_tokens`` (cached by path and mtime)."""
-    p = Path(path)
-    try:
-        st = p.stat()
-    except OSError:
-        raise DataError(f"{p}: file not found") from None
-    return _load_trace_cached(str(p.resolve()), st.st_mtime_ns, st.st_size)
+    return call_cached_by_file(_load_trace_cached, path)
 
 
 def scaled_trace(
