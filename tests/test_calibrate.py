@@ -81,6 +81,17 @@ def test_score_runs_confusion_and_conventions() -> None:
     assert s["oom_agreement"] == 1.0 and s["oom_false_accept"] == 0
 
 
+def _close(a, b, rel: float = 1e-9) -> bool:
+    """Nested dicts/lists equal, floats within ``rel``."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k], rel) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_close(x, y, rel) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float):
+        return a == pytest.approx(b, rel=rel)
+    return a == b
+
+
 # ---- shipped profiles ------------------------------------------------------------------------------------
 
 
@@ -123,8 +134,10 @@ def test_calibrate_priors_only_writes_valid_profile(data_dir: Path, tmp_path: Pa
     assert all(len(h) == 64 for h in prov["inputs"].values())
     assert summary["fits"]["memory"]["n_points"] == 28 and summary["fits"]["memory"]["r2"] > 0.999
     # the same start-up behaviour as the shipped profile (memory is never refined)
+    # (to 1e-9 relative: the last digit of a least-squares fit moves with the numpy/BLAS build)
     shipped = find_profile(LLAMA)
-    assert p.memory == shipped.memory and p.scheduler == shipped.scheduler and p.loading == shipped.loading
+    for section in ("memory", "scheduler", "loading"):
+        assert _close(getattr(p, section).model_dump(), getattr(shipped, section).model_dump()), section
     assert not list(tmp_path.glob("*.tmp"))
 
 

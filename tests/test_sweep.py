@@ -164,7 +164,7 @@ def test_assignment_round_robin_then_shuffled_and_features():
     assert not np.array_equal(rates, np.array([c.rate_tuple[i % 3] for i in range(32)]))  # shuffled
     # rates and ranks are shuffled independently; A does not change the workload
     assert len({tuple(x.rates_rps()) for x in configs}) == 1 and len({tuple(x.ranks()) for x in configs}) == 1
-    f = features(c)
+    f = features(c, find_profile(c.model))
     assert f["served_adapters"] == 32 and f["max_size"] == 32 == c.max_lora_rank
     assert f["sum_rate"] == pytest.approx(rates.sum()) and f["std_rate"] == pytest.approx(np.std(rates))
     assert f["mean_size"] == pytest.approx(ranks.mean()) and f["std_size"] == pytest.approx(np.std(ranks, ddof=0))

@@ -23,7 +23,7 @@ from ..errors import DataError, SpecError
 META_FILE = "_sweep.json"
 LOCK_FILE = ".lock"
 PART_GLOB = "part-*.parquet"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: max_rate column (oracle.features)
 
 SCHEMA = pa.schema([
     ("config_id", pa.string()),
@@ -36,6 +36,7 @@ SCHEMA = pa.schema([
     ("adapter_slots", pa.int32()),
     ("sum_rate", pa.float64()),
     ("std_rate", pa.float64()),
+    ("max_rate", pa.float64()),
     ("max_size", pa.int32()),
     ("mean_size", pa.float64()),
     ("std_size", pa.float64()),

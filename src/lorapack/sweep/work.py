@@ -31,8 +31,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .. import __version__
 from ..profile import Profile
 from .grid import SweepConfig
@@ -98,21 +96,29 @@ class WorkUnit:
             self.key = self.configs[0].series_id if self.prune else self.configs[0].config_id
 
 
-def features(cfg: SweepConfig) -> dict:
-    """Identity and surrogate features of a config (no simulation)."""
-    ranks = cfg.ranks().astype(np.float64)
-    rates = cfg.rates_rps()
-    sum_rate = float(rates.sum())
-    return {
+def candidate(cfg: SweepConfig, profile: Profile):
+    """The config as an oracle question (``oracle.GpuCandidate``)."""
+    from ..oracle import GpuCandidate
+
+    return GpuCandidate(profile=profile, ranks=cfg.ranks(), rates_rps=cfg.rates_rps(),
+                        max_loras=cfg.adapter_slots, max_lora_rank=cfg.max_lora_rank,
+                        max_cpu_loras=cfg.served_adapters, mean_input_tokens=cfg.mean_input_tokens,
+                        mean_output_tokens=cfg.mean_output_tokens)
+
+
+def features(cfg: SweepConfig, profile: Profile) -> dict:
+    """Identity columns and the surrogate features of a config (``oracle.features``; no simulation)."""
+    from ..oracle import feature_row
+
+    row = {
         "config_id": cfg.config_id, "series_id": cfg.series_id, "seed": cfg.seed, "model": cfg.model,
-        "gpu": cfg.gpu, "served_adapters": cfg.served_adapters, "adapter_slots": cfg.adapter_slots,
-        "max_lora_rank": cfg.max_lora_rank, "sum_rate": sum_rate, "std_rate": float(rates.std()),
-        "max_size": int(ranks.max()), "mean_size": float(ranks.mean()), "std_size": float(ranks.std()),
-        "mean_input_tokens": cfg.mean_input_tokens, "mean_output_tokens": cfg.mean_output_tokens,
-        "lengths_kind": cfg.lengths_kind, "duration_s": cfg.duration_s, "rate_tuple": list(cfg.rate_tuple),
-        "rank_tuple": list(cfg.rank_tuple),
-        "incoming_expected_tok_s": sum_rate * (cfg.mean_input_tokens + cfg.mean_output_tokens),
+        "gpu": cfg.gpu, "lengths_kind": cfg.lengths_kind, "duration_s": cfg.duration_s,
+        "rate_tuple": list(cfg.rate_tuple), "rank_tuple": list(cfg.rank_tuple),
     }
+    row.update(feature_row(candidate(cfg, profile)))
+    for k in ("served_adapters", "adapter_slots", "max_size", "max_lora_rank"):
+        row[k] = int(row[k])
+    return row
 
 
 def _empty_metrics() -> dict:
@@ -124,7 +130,7 @@ def _empty_metrics() -> dict:
 
 def oom_row(cfg: SweepConfig, profile: Profile) -> dict:
     _starts, kv, err = profile.startup(cfg.adapter_slots, cfg.max_lora_rank)
-    row = features(cfg)
+    row = features(cfg, profile)
     row.update(_empty_metrics())
     row.update({"oom": True, "starved": None, "throughput_tok_s": 0.0, "error_type": err,
                 "kv_cache_tokens": int(kv), "obtained": OBTAINED_OOM, "stop_reason": None, "simulated_s": 0.0})
@@ -133,7 +139,7 @@ def oom_row(cfg: SweepConfig, profile: Profile) -> dict:
 
 def pruned_row(cfg: SweepConfig, profile: Profile) -> dict:
     _starts, kv, _err = profile.startup(cfg.adapter_slots, cfg.max_lora_rank)
-    row = features(cfg)
+    row = features(cfg, profile)
     row.update(_empty_metrics())
     row.update({"oom": False, "starved": True, "kv_cache_tokens": int(kv), "obtained": OBTAINED_PRUNED,
                 "stop_reason": None, "simulated_s": 0.0})
@@ -210,7 +216,7 @@ def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts) ->
         m, _ = simulate_requests(profile, ranks, req, flags, cfg.duration_s)
     else:
         m, _ = simulate_requests(profile, ranks, req, flags, cfg.duration_s, early_stop=opts)
-    row = features(cfg)
+    row = features(cfg, profile)
     if m["oom"]:  # the caller checks the start-up rule first; kept for safety
         row.update(_empty_metrics())
         row.update({"oom": True, "starved": None, "throughput_tok_s": 0.0, "error_type": m["error_type"],

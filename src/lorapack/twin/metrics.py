@@ -101,6 +101,7 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
         "kv_usage_mean": _stat(tl.get("kv_cache_usage_perc", np.zeros(0)), np.mean),
         "adapters_starved": int(bad.sum()),
         "adapter_starved": bool(bad.any()),
+        "starved_adapter_indices": [int(i) for i in np.flatnonzero(bad)],  # registration order
         "adapter_min_token_ratio": float(ratio[sent_n >= adapter_min_requests].min())
         if (sent_n >= adapter_min_requests).any() else float("nan"),
         "adapter_max_wait_s": float(oldest.max()) if n_adapters else 0.0,

@@ -1,4 +1,4 @@
-"""The ``lorapack calibrate`` command (registered in ``lorapack.cli``); the work is in ``command.calibrate``."""
+"""``lorapack calibrate``: fit a profile; the work is in ``lorapack.calibrate.command.calibrate``."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from typing import Annotated
 
 import typer
 
-from .refine import DEFAULT_FREE
+from ..calibrate.refine import DEFAULT_FREE
+from .common import console, err_console, fmt, print_json
 
 
-def calibrate_command(
+def calibrate(
     profiling: Annotated[Path, typer.Option("--profiling", help="Profiling directory, laid out like "
                                             "shared/data/profiling (see its README for the columns).")],
     model: Annotated[str, typer.Option("--model", "-m", help="Model key, e.g. llama-3.1-8b-instruct.")],
@@ -37,9 +38,8 @@ def calibrate_command(
     """Fit a profile from profiling data (closed-form priors), refine it against real runs, write it."""
     from rich.table import Table
 
-    from ..cli import _fmt, console, err_console, print_json
+    from ..calibrate.command import calibrate as run_calibration
     from ..errors import DataError
-    from .command import calibrate
 
     try:
         evals = tuple(int(x) for x in max_evals.split(","))
@@ -48,7 +48,7 @@ def calibrate_command(
     except ValueError:
         raise DataError(f"--max-evals {max_evals}: expected two integers >= 0, e.g. 12,4") from None
     log = None if json_out else (lambda s: err_console.print(f"[dim]{s}[/dim]", highlight=False))
-    summary = calibrate(profiling, model, gpu=gpu, vllm_version=vllm_version, runs=runs, out=out, report=report,
+    summary = run_calibration(profiling, model, gpu=gpu, vllm_version=vllm_version, runs=runs, out=out, report=report,
                         seeds=seeds, lengths=lengths, workers=workers, max_evals=evals,  # type: ignore[arg-type]
                         free=[f.strip() for f in free.split(",") if f.strip()], max_model_len=max_model_len,
                         log=log)
@@ -59,15 +59,15 @@ def calibrate_command(
     for c in ("fit", "parameters", "R2", "rmse", "n"):
         t.add_column(c)
     for name, f in summary["fits"].items():
-        params = ", ".join(f"{k}={_fmt(v, 4) if isinstance(v, float) else v}" for k, v in f["parameters"].items())
-        t.add_row(name, params, _fmt(f.get("r2"), 4), _fmt(f.get("rmse"), 3), _fmt(f.get("n_points")))
+        params = ", ".join(f"{k}={fmt(v, 4) if isinstance(v, float) else v}" for k, v in f["parameters"].items())
+        t.add_row(name, params, fmt(f.get("r2"), 4), fmt(f.get("rmse"), 3), fmt(f.get("n_points")))
     console.print(t)
     if "refinement" in summary:
         t = Table(title="simulation-based refinement of the step-time constants", title_justify="left")
         for c in ("constant", "unit", "prior", "refined"):
             t.add_column(c)
         for n, f in summary["refinement"]["free"].items():
-            t.add_row(f"{n} ({f['field']})", f["unit"], _fmt(f["prior"], 5), _fmt(f["refined"], 5))
+            t.add_row(f"{n} ({f['field']})", f["unit"], fmt(f["prior"], 5), fmt(f["refined"], 5))
         console.print(t)
         v = summary["validation"]
         t = Table(title=f"validation on {v['runs']} ({v['seeds']} seed(s), {v['lengths']} lengths)",
@@ -77,9 +77,9 @@ def calibrate_command(
             t.add_column(c, justify="right" if c != "profile" else "left")
         for k in ("priors", "refined"):
             s = v[k]
-            t.add_row(k, _fmt(s["smape_throughput"], 2), _fmt(s["smape_itl"], 2), _fmt(s["smape_ttft"], 2),
-                      _fmt(s["smape_throughput_2x"], 2), _fmt(s["smape_itl_2x"], 2), _fmt(s["starved_agreement"], 3),
-                      _fmt(s["starved_agreement_clear"], 3), _fmt(s["oom_agreement"], 3))
+            t.add_row(k, fmt(s["smape_throughput"], 2), fmt(s["smape_itl"], 2), fmt(s["smape_ttft"], 2),
+                      fmt(s["smape_throughput_2x"], 2), fmt(s["smape_itl_2x"], 2), fmt(s["starved_agreement"], 3),
+                      fmt(s["starved_agreement_clear"], 3), fmt(s["oom_agreement"], 3))
         console.print(t)
     if summary.get("report"):
         console.print(f"report: {len(summary['report'])} plots in {report}")

@@ -1,0 +1,76 @@
+"""The ``lorapack`` command line: parse, call the API, render with rich, map errors to exit code 2.
+
+One module per command (``simulate.py``, ``validate.py``, ...); shared helpers in ``common.py`` (a leaf).
+This module only builds the typer app, registers the commands and maps errors in ``main()``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from ..errors import LorapackError
+from . import calibrate, demo, profiles, simulate, sweep, validate
+from .common import DEBUG as _DEBUG
+from .common import err_console, print_json, write_csv_atomic
+
+__all__ = ["app", "main", "print_json", "write_csv_atomic"]
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Plan multi-LoRA serving on vLLM with a fast digital twin of the server.")
+
+
+@app.callback()
+def _main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False) -> None:
+    _DEBUG["on"] = debug
+
+
+app.command("simulate")(simulate.simulate)
+app.command("validate")(validate.validate)
+app.command("profiles")(profiles.profiles)
+app.command("demo")(demo.demo)
+app.command("sweep")(sweep.sweep)
+app.command("calibrate")(calibrate.calibrate)
+
+
+def main() -> None:
+    """Console entry point: user errors -> one line on stderr, exit code 2."""
+    try:
+        app(standalone_mode=False)
+    except LorapackError as e:
+        if _DEBUG["on"] or os.environ.get("LORAPACK_DEBUG"):
+            raise
+        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except (KeyboardInterrupt, BrokenPipeError):
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except Exception as e:  # click usage errors and aborts
+        usage, aborts = _click_exception_types()
+        if isinstance(e, aborts):
+            sys.exit(130)
+        if isinstance(e, usage):
+            e.show()
+            sys.exit(2)
+        raise
+
+
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Usage-error and abort classes: typer >= 0.2x vendors click as ``typer._click``, older typer uses click."""
+    import importlib
+
+    usage: list[type] = []
+    aborts: list[type] = [typer.Abort] if hasattr(typer, "Abort") else []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        usage.append(mod.ClickException)
+        if hasattr(mod, "Abort"):
+            aborts.append(mod.Abort)
+    return tuple(usage), tuple(aborts)

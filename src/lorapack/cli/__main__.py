@@ -1,0 +1,5 @@
+"""``python -m lorapack.cli``."""
+
+from . import main
+
+main()

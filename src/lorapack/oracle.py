@@ -1,0 +1,324 @@
+"""The feasibility seam: *can this GPU serve these adapters with ``--max-loras A``, and how well?*
+
+One typed question (``GpuCandidate``), one typed answer (``Prediction``), many per call::
+
+    oracle.predict([cand, ...]) -> [Prediction, ...]
+
+Every oracle applies vLLM's start-up memory rule first (``MemoryOracle``: exact and instantaneous) and
+answers the rest its own way: ``TwinOracle`` simulates (seeds and duration are parameters), the learned
+models of ``lorapack.surrogate`` predict. Placement never knows which oracle answers.
+
+``features()`` is the only feature code in lorapack: sweep rows, training and queries all call it, so a
+model is always asked about the features it was trained on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from .errors import SpecError
+from .profile import VLLM_LORA_RANKS, Profile
+
+NAN = float("nan")
+
+# Column order of ``features()``. The first seven are the paper's (placement.md §3.1); the rest are lorapack's:
+# the slot rank vLLM pads every slot to, the mean lengths (a model is valid only near its training lengths),
+# the busiest adapter's rate and the expected offered token rate (the healthy throughput itself).
+FEATURE_NAMES: tuple[str, ...] = (
+    "served_adapters",  # N
+    "adapter_slots",  # A (--max-loras)
+    "sum_rate",  # Σ λ_i, req/s
+    "std_rate",  # population std of λ_i (ddof 0)
+    "max_size",  # largest adapter rank
+    "mean_size",  # mean adapter rank
+    "std_size",  # population std of the ranks (ddof 0)
+    "max_lora_rank",  # S (--max-lora-rank)
+    "mean_input_tokens",
+    "mean_output_tokens",
+    "max_rate",  # max λ_i, req/s
+    "incoming_expected_tok_s",  # Σ λ_i × (mean input + mean output)
+)
+
+
+def default_slot_rank(max_rank: int) -> int:
+    """Smallest ``--max-lora-rank`` vLLM accepts that holds ``max_rank`` (placement.md §1)."""
+    for s in VLLM_LORA_RANKS:
+        if s >= max_rank:
+            return s
+    raise SpecError(f"adapter rank {max_rank} exceeds the largest --max-lora-rank vLLM accepts "
+                    f"({VLLM_LORA_RANKS[-1]})")
+
+
+@dataclass(frozen=True, eq=False)
+class GpuCandidate:
+    """One GPU as a placement would configure it: its adapters (registration order) and its vLLM flags.
+
+    ``None`` flags take vLLM's / the profile's defaults: ``max_lora_rank`` = the smallest accepted value that
+    holds the largest rank, ``max_cpu_loras`` = max(N, A), batch limits and lengths from the profile.
+    """
+
+    profile: Profile
+    ranks: np.ndarray  # int [N]: adapter ranks
+    rates_rps: np.ndarray  # float [N]: Poisson request rates
+    max_loras: int  # A
+    max_lora_rank: int | None = None  # S
+    max_cpu_loras: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    mean_input_tokens: float | None = None
+    mean_output_tokens: float | None = None
+
+    def __post_init__(self) -> None:
+        ranks = np.asarray(self.ranks)
+        rates = np.asarray(self.rates_rps, dtype=np.float64)
+        if ranks.ndim != 1 or rates.ndim != 1 or len(ranks) != len(rates):
+            raise SpecError(f"a GPU candidate needs one rank and one rate per adapter; got {ranks.shape} ranks "
+                            f"and {rates.shape} rates")
+        if len(ranks) == 0:
+            raise SpecError("a GPU candidate needs at least one adapter")
+        if not np.issubdtype(ranks.dtype, np.integer):
+            if not (np.all(np.isfinite(ranks)) and np.all(ranks == np.round(ranks))):
+                raise SpecError("adapter ranks must be integers")
+        ranks = ranks.astype(np.int64)
+        if ranks.min() < 1:
+            raise SpecError(f"adapter rank {int(ranks.min())}: expected an integer >= 1")
+        if not np.all(np.isfinite(rates)) or rates.min() < 0:
+            raise SpecError("adapter rates must be finite numbers >= 0 req/s")
+        if int(self.max_loras) < 1:
+            raise SpecError(f"--max-loras {self.max_loras}: expected an integer >= 1")
+        for name in ("mean_input_tokens", "mean_output_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not math.isfinite(v) or v < 1):
+                raise SpecError(f"{name} {v}: expected a finite number of tokens >= 1")
+        s = self.max_lora_rank
+        if s is not None and int(s) < int(ranks.max()):
+            raise SpecError(f"--max-lora-rank {s} is below the largest adapter rank {int(ranks.max())}")
+        object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "rates_rps", rates)
+        object.__setattr__(self, "max_loras", int(self.max_loras))
+
+    # ---- resolved flags ----
+    @property
+    def n_adapters(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def slot_rank(self) -> int:
+        """S: the ``--max-lora-rank`` this GPU runs with."""
+        return int(self.max_lora_rank) if self.max_lora_rank is not None else default_slot_rank(int(self.ranks.max()))
+
+    @property
+    def cpu_loras(self) -> int:
+        return int(self.max_cpu_loras) if self.max_cpu_loras is not None else max(self.n_adapters, self.max_loras)
+
+    @property
+    def input_tokens(self) -> float:
+        from .spec import DEFAULT_MEAN_INPUT_TOKENS
+
+        return float(self.mean_input_tokens) if self.mean_input_tokens is not None else DEFAULT_MEAN_INPUT_TOKENS
+
+    @property
+    def output_tokens(self) -> float:
+        from .spec import DEFAULT_MEAN_OUTPUT_TOKENS
+
+        return float(self.mean_output_tokens) if self.mean_output_tokens is not None else DEFAULT_MEAN_OUTPUT_TOKENS
+
+    @property
+    def incoming_expected_tok_s(self) -> float:
+        """Expected offered token rate: Σ λ_i × (mean input + mean output tokens)."""
+        return float(self.rates_rps.sum()) * (self.input_tokens + self.output_tokens)
+
+    def startup(self) -> tuple[bool, int, str | None]:
+        """vLLM's start-up rule for ``(A, S)``: ``(starts, kv_cache_tokens, error_type)``."""
+        return self.profile.startup(self.max_loras, self.slot_rank)
+
+
+def feature_row(cand: GpuCandidate) -> dict[str, float]:
+    """The features of one candidate, by name (``FEATURE_NAMES`` order)."""
+    return dict(zip(FEATURE_NAMES, features([cand])[0].tolist(), strict=True))
+
+
+def features(cands: Sequence[GpuCandidate]) -> np.ndarray:
+    """Feature matrix ``[len(cands), len(FEATURE_NAMES)]`` (float64). The only feature code in lorapack."""
+    out = np.empty((len(cands), len(FEATURE_NAMES)), dtype=np.float64)
+    for i, c in enumerate(cands):
+        r = c.ranks.astype(np.float64)
+        q = c.rates_rps
+        pi, po = c.input_tokens, c.output_tokens
+        out[i] = (c.n_adapters, c.max_loras, q.sum(), q.std(), r.max(), r.mean(), r.std(), c.slot_rank,
+                  pi, po, q.max(), q.sum() * (pi + po))
+    return out
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """An oracle's answer for one candidate.
+
+    ``starved`` is the probability of the run-level label (throughput < 0.9 × incoming; the twin gives the
+    fraction of its seeds). ``adapter_starved`` and ``starved_adapters`` (indices into the candidate's
+    adapters) come from the twin's per-adapter check (twin.md §4.2); learned oracles leave them NaN / empty.
+    A learned oracle sets ``in_range = False`` and names the offending feature in ``out_of_range`` when the
+    candidate lies outside its training data. Metrics are NaN when the server does not start (``fits`` False).
+    """
+
+    fits: bool  # vLLM starts with (A, S)
+    throughput_tok_s: float
+    incoming_tok_s: float
+    starved: float  # probability in [0, 1]
+    itl_ms: float
+    ttft_s: float
+    kv_cache_tokens: int = 0
+    error_type: str | None = None
+    adapter_starved: float = NAN
+    starved_adapters: tuple[int, ...] = ()
+    ttft_p99_s: float = NAN
+    itl_p99_ms: float = NAN
+    in_range: bool = True
+    out_of_range: str = ""
+    seeds: int = 0  # simulations behind the answer (twin only)
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def throughput_ratio(self) -> float:
+        return self.throughput_tok_s / self.incoming_tok_s if self.incoming_tok_s > 0 else NAN
+
+    def serves(self, max_starved: float = 0.5) -> bool:
+        """Starts and is not predicted starved (run level, and per adapter where known)."""
+        if not self.fits or not self.starved < max_starved:
+            return False
+        return not (self.adapter_starved >= max_starved)  # NaN (unknown) passes
+
+
+def refused(cand: GpuCandidate, kv: int, err: str | None) -> Prediction:
+    return Prediction(fits=False, throughput_tok_s=0.0, incoming_tok_s=cand.incoming_expected_tok_s,
+                      starved=1.0, itl_ms=NAN, ttft_s=NAN, kv_cache_tokens=int(kv), error_type=err,
+                      adapter_starved=1.0)
+
+
+@runtime_checkable
+class Oracle(Protocol):
+    """Anything that answers candidates in batches."""
+
+    name: str
+
+    def predict(self, candidates: Sequence[GpuCandidate]) -> list[Prediction]: ...
+
+
+class MemoryRuleOracle:
+    """Applies the start-up rule first, then asks ``_predict_fitting`` about the candidates that start.
+
+    Subclasses implement ``_predict_fitting(cands, kv_tokens) -> list[Prediction]``. Used alone it is the
+    memory oracle: every candidate that starts "serves" with unknown metrics (NaN, starved 0).
+    """
+
+    name = "memory"
+
+    def predict(self, candidates: Sequence[GpuCandidate]) -> list[Prediction]:
+        out: list[Prediction | None] = [None] * len(candidates)
+        fit_idx, fit_kv = [], []
+        for i, c in enumerate(candidates):
+            starts, kv, err = c.startup()
+            if starts:
+                fit_idx.append(i)
+                fit_kv.append(kv)
+            else:
+                out[i] = refused(c, kv, err)
+        if fit_idx:
+            preds = self._predict_fitting([candidates[i] for i in fit_idx], fit_kv)
+            for i, p in zip(fit_idx, preds, strict=True):
+                out[i] = p
+        return out  # type: ignore[return-value]
+
+    def _predict_fitting(self, cands: Sequence[GpuCandidate], kv_tokens: Sequence[int]) -> list[Prediction]:
+        return [Prediction(fits=True, throughput_tok_s=NAN, incoming_tok_s=c.incoming_expected_tok_s,
+                           starved=0.0, itl_ms=NAN, ttft_s=NAN, kv_cache_tokens=int(kv))
+                for c, kv in zip(cands, kv_tokens, strict=True)]
+
+
+@dataclass
+class TwinOracle(MemoryRuleOracle):
+    """The digital twin as an oracle: each candidate simulated for ``duration_s`` with every seed.
+
+    Arrivals are Poisson at the candidate's rates (common random numbers: adapter ``i``'s stream depends on
+    ``(seed, i, rate)``), lengths follow the profile's fitted ShareGPT-like law (``runs_lengths``) around the
+    candidate's means. ``early_stop`` (default on) ends runs whose outcome is clear (``twin.early``).
+    Metrics are averaged over seeds; ``starved`` is the fraction of seeds starved; ``starved_adapters``
+    the union over seeds.
+    """
+
+    seeds: tuple[int, ...] = (0,)
+    duration_s: float = 3600.0
+    early_stop: bool = True
+    name: str = "twin"
+    n_simulations: int = field(default=0, init=False)
+    sim_wall_s: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.seeds:
+            raise SpecError("the twin oracle needs at least one seed")
+        if not math.isfinite(self.duration_s) or self.duration_s <= 0:
+            raise SpecError(f"duration {self.duration_s}: expected a positive number of seconds")
+        self.seeds = tuple(int(s) for s in self.seeds)
+
+    def _predict_fitting(self, cands: Sequence[GpuCandidate], kv_tokens: Sequence[int]) -> list[Prediction]:
+        return [self._one(c) for c in cands]
+
+    def simulate(self, cand: GpuCandidate, seed: int) -> dict:
+        """One twin run of ``cand`` (metrics dict of ``twin.run.simulate_requests``, with ``starved_adapter_indices``)."""
+        import time
+
+        from .twin.early import EarlyStopOptions
+        from .twin.run import ServerFlags, simulate_requests
+        from .workload import generate_requests
+
+        t0 = time.perf_counter()
+        wl = candidate_workload(cand, self.duration_s)
+        req = generate_requests(wl, self.duration_s, seed)
+        flags = ServerFlags(max_loras=cand.max_loras, max_lora_rank=cand.slot_rank, max_cpu_loras=cand.cpu_loras,
+                            max_num_batched_tokens=cand.max_num_batched_tokens, max_num_seqs=cand.max_num_seqs)
+        m, _res = simulate_requests(cand.profile, cand.ranks, req, flags, self.duration_s,
+                                    early_stop=EarlyStopOptions() if self.early_stop else None)
+        self.n_simulations += 1
+        self.sim_wall_s += time.perf_counter() - t0
+        return m
+
+    def _one(self, cand: GpuCandidate) -> Prediction:
+        runs = [self.simulate(cand, s) for s in self.seeds]
+        first = runs[0]
+        if first["oom"]:  # the start-up rule already passed; kept for safety
+            return refused(cand, first["kv_cache_tokens"], first["error_type"])
+
+        def mean(key: str, scale: float = 1.0) -> float:
+            xs = [float(r[key]) for r in runs if r.get(key) is not None and math.isfinite(float(r[key]))]
+            return float(np.mean(xs)) * scale if xs else NAN
+
+        bad: set[int] = set()
+        for r in runs:
+            bad.update(int(i) for i in r.get("starved_adapter_indices", ()))
+        return Prediction(
+            fits=True, throughput_tok_s=mean("throughput_tok_s"), incoming_tok_s=mean("incoming_tok_s"),
+            starved=float(np.mean([bool(r["starved"]) for r in runs])), itl_ms=mean("itl_mean_ms"),
+            ttft_s=mean("ttft_mean_ms", 1e-3), kv_cache_tokens=int(first["kv_cache_tokens"]),
+            adapter_starved=float(np.mean([bool(r.get("adapter_starved")) for r in runs])),
+            starved_adapters=tuple(sorted(bad)), ttft_p99_s=mean("ttft_p99_ms", 1e-3),
+            itl_p99_ms=mean("itl_p99_ms"), seeds=len(runs),
+            extra={"stop_reasons": [r.get("stop_reason") for r in runs],
+                   "ttft_penalised_s": mean("ttft_penalised_mean_ms", 1e-3)})
+
+
+def candidate_workload(cand: GpuCandidate, duration_s: float):
+    """The ``Workload`` the twin simulates for ``cand``: Poisson arrivals, the profile's fitted length law."""
+    from .spec import Adapter, LengthsSpec, PoissonArrivals, Workload
+
+    law = cand.profile.runs_lengths
+    extra = {"cv": float(law.cv)} if law is not None else {}
+    lengths = LengthsSpec(kind="lognormal", mean_input_tokens=cand.input_tokens,
+                          mean_output_tokens=cand.output_tokens, **extra)
+    adapters = [Adapter(adapter_id=f"a{i}", rank=int(r), rate_rps=float(q))
+                for i, (r, q) in enumerate(zip(cand.ranks, cand.rates_rps, strict=True))]
+    return Workload(adapters=adapters, lengths=lengths, arrivals=PoissonArrivals(), duration_s=duration_s)
