@@ -288,7 +288,11 @@ class TwinOracle(MemoryRuleOracle):
         return m
 
     def _one(self, cand: GpuCandidate) -> Prediction:
-        runs = [self.simulate(cand, s) for s in self.seeds]
+        return self.aggregate(cand, [self.simulate(cand, s) for s in self.seeds])
+
+    @staticmethod
+    def aggregate(cand: GpuCandidate, runs: Sequence[dict]) -> Prediction:
+        """One answer from the runs of ``cand`` (one metrics dict per seed)."""
         first = runs[0]
         if first["oom"]:  # the start-up rule already passed; kept for safety
             return refused(cand, first["kv_cache_tokens"], first["error_type"])
