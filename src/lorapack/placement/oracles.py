@@ -80,9 +80,14 @@ def run_parallel(fn: Callable, items: Sequence, workers: int) -> list:
     return [f.result() for f in futures]
 
 
-def _simulate_one(oracle: TwinOracle, cand: GpuCandidate, seed: int) -> dict:
-    m = oracle.simulate(cand, seed)
-    return {k: m.get(k) for k in RUN_KEYS}
+def _simulate_one(oracle: TwinOracle, cand: GpuCandidate, seed: int):
+    return oracle.simulate(cand, seed)
+
+
+def run_summary(m) -> dict:
+    """The keys of one run that plans and verification keep (``RUN_KEYS`` of ``RunMetrics.to_dict()``)."""
+    d = m.to_dict()
+    return {k: d.get(k) for k in RUN_KEYS}
 
 
 def candidate_key(c: GpuCandidate) -> tuple:
@@ -121,7 +126,7 @@ class ParallelTwinOracle(TwinOracle):
         for j, (k, c) in enumerate(todo.items()):
             r = runs[j * ns:(j + 1) * ns]
             p = self.aggregate(c, r)
-            p.extra["runs"] = r
+            p.extra["runs"] = [run_summary(m) for m in r]
             fresh[k] = p
             if self.cache:
                 self._memo[k] = p
