@@ -13,6 +13,12 @@ Every config: Poisson arrivals, fixed lengths 223 prompt / 197 output tokens, ra
 adapters round-robin in the order listed, seed 0, T = 3600 s, shipped profile, client cap off.
 
 Usage: ``python bench/twin_speed.py [--repeats 3] [--out FILE]``
+
+Before/after comparison of two versions of the twin in the same run: ``--compare REV`` extracts ``src/`` of
+git revision REV into a temporary directory and starts two worker processes, one importing that version and
+one importing the working tree's; each config is timed on both, alternating, ``--repeats`` times (default
+5 here), and the best time per config and version is kept. Prints both, the median and max over configs and
+the after/before ratios; writes ``bench/results/twin_speed_compare.json``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,11 +67,100 @@ def build(model: str, n: int, ranks: tuple, rates: tuple):
                     arrivals=PoissonArrivals())
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def serve() -> None:
+    """Worker of ``--compare``: reads config names from stdin, prints one JSON line of wall seconds each."""
+    from lorapack.profile import find_profile
+    from lorapack.twin.engine import warm_up
+    from lorapack.twin.run import ServerFlags, simulate
+
+    by_name = {c[0]: c for c in CONFIGS}
+    print(json.dumps({"ready": True, "compile_s": warm_up(), "lorapack": __import__("lorapack").__file__}),
+          flush=True)
+    for line in sys.stdin:
+        name, model, n, ranks, rates, a_max, s_max, _paper_s = by_name[line.strip()]
+        prof, wl = find_profile(model), build(model, n, ranks, rates)
+        flags = ServerFlags(max_loras=a_max, max_lora_rank=s_max)
+        t0 = time.perf_counter()
+        simulate(prof, wl, flags, 3600.0, 0)
+        print(json.dumps({"config": name, "wall_s": time.perf_counter() - t0}), flush=True)
+
+
+def _worker(src: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(src), "NUMBA_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    hello = json.loads(proc.stdout.readline())
+    print(f"worker {proc.pid}: {hello['lorapack']} (compile {hello['compile_s']:.1f} s)")
+    return proc
+
+
+def _time(proc: subprocess.Popen, name: str) -> float:
+    proc.stdin.write(name + "\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())["wall_s"]
+
+
+def compare(rev: str, repeats: int, out: Path) -> None:
+    """Time revision ``rev`` (before) and the working tree (after) in one run, interleaved, best of N."""
+    with tempfile.TemporaryDirectory(prefix="twin-speed-") as tmp:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src"], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        versions = {"before": Path(tmp) / "src", "after": REPO / "src"}
+        procs = {k: _worker(v) for k, v in versions.items()}
+        best = {k: {c[0]: float("inf") for c in CONFIGS} for k in versions}
+        try:
+            for rep in range(repeats):
+                for name, *_ in CONFIGS:
+                    order = ("before", "after") if rep % 2 == 0 else ("after", "before")
+                    for k in order:
+                        best[k][name] = min(best[k][name], _time(procs[k], name))
+                print(f"repeat {rep + 1}/{repeats} done", flush=True)
+        finally:
+            for p in procs.values():
+                p.stdin.close()
+                p.wait()
+    print(f"\n{'config':32s} {'before s':>9s} {'after s':>9s} {'after/before':>12s}")
+    for name, *_ in CONFIGS:
+        b, a = best["before"][name], best["after"][name]
+        print(f"{name:32s} {b:9.4f} {a:9.4f} {a / b:12.3f}")
+    summary = {}
+    for k in versions:
+        walls = list(best[k].values())
+        summary[k] = {"median_wall_s": statistics.median(walls), "max_wall_s": max(walls)}
+    ratios = {m: summary["after"][m] / summary["before"][m] for m in ("median_wall_s", "max_wall_s")}
+    print(f"\nbefore ({rev}): median {summary['before']['median_wall_s']:.4f} s, max "
+          f"{summary['before']['max_wall_s']:.4f} s per simulated hour")
+    print(f"after (working tree): median {summary['after']['median_wall_s']:.4f} s, max "
+          f"{summary['after']['max_wall_s']:.4f} s per simulated hour")
+    print(f"after/before: median {ratios['median_wall_s']:.3f}, max {ratios['max_wall_s']:.3f} "
+          f"(best of {repeats}, interleaved; load average {os.getloadavg()[0]:.1f} at the end)")
+    payload = {"bench": "twin_speed_compare", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "before": rev, "repeats": repeats, "load_average_1min_end": os.getloadavg()[0],
+               "summary": summary, "ratios": ratios, "configs": best}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per config (median is reported)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "twin_speed.json")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed repeats per config (median reported; with --compare the best; default 3 / 5)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--compare", metavar="REV", default=None,
+                    help="also time git revision REV, interleaved with the working tree (best of --repeats)")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    results = Path(__file__).parent / "results"
+    if args.serve:
+        return serve()
+    if args.compare:
+        return compare(args.compare, args.repeats or 5, args.out or results / "twin_speed_compare.json")
+    args.repeats = args.repeats or 3
+    args.out = args.out or results / "twin_speed.json"
 
     from lorapack.profile import find_profile
     from lorapack.twin.engine import warm_up

@@ -5,20 +5,17 @@
   running <= max_num_seqs, budget >= 0, no admission in a step that preempted, time monotone after every
   step) plus request and token conservation from its ``ReferenceTrace``.
 * ``test_result_properties`` and ``test_bit_identical_reruns``: properties that can be read from an
-  ``EngineResult`` alone, for the reference engine and for the fast engine (``engine.simulate_fast``,
-  skipped until that module exists).
+  ``EngineResult`` alone, for the reference engine and for the fast engine (``engine.simulate_fast``).
 """
 
 from __future__ import annotations
-
-import importlib
-import importlib.util
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from engine_cases import Case, build_case, case_params, corner_cases, describe_case
+from lorapack.twin.engine import simulate_fast  # required: a missing engine or numba fails the suite
 from lorapack.twin.reference import (
     FINISHED,
     NOT_INJECTED,
@@ -37,11 +34,7 @@ ENGINES = ["reference", "fast"]
 
 
 def get_engine(name: str):
-    if name == "reference":
-        return simulate_reference
-    if importlib.util.find_spec("lorapack.twin.engine") is None:
-        pytest.skip("lorapack.twin.engine (simulate_fast) does not exist yet")
-    return importlib.import_module("lorapack.twin.engine").simulate_fast
+    return simulate_reference if name == "reference" else simulate_fast
 
 
 def _timeline_len(duration_s: float, dt_s: float) -> int:

@@ -1,528 +1,689 @@
 """The fast engine: one vLLM V1 server, step by step, on flat arrays (twin.md §7).
 
-The step below reads like vLLM's ``Scheduler.schedule()``: the running pass, then the waiting pass with
-the ``max_loras`` skip rule, then adapter activation, step time and the update. Exact semantics (ties,
-held arrivals, timeline sampling) are in ``docs/engine-semantics.md``; ``reference.py`` is the literal
-version the tests compare against.
+One engine step reads like vLLM's ``Scheduler.schedule()`` followed by the model run and
+``Scheduler.update_from_output()``. Each phase is a short function (numba inlines them into the loop):
 
-What makes it fast:
+=========================  =====================================================================================
+phase                      vLLM code it mirrors
+=========================  =====================================================================================
+``_add_arrivals``          ``EngineCore.add_request`` -> ``Scheduler.add_request``: new requests join the
+                           tail of ``Scheduler.waiting`` (held back while the benchmark client is saturated)
+``_schedule_running``      ``schedule()``, "First, schedule the RUNNING requests": walk ``self.running`` in
+                           order while ``token_budget > 0``; ``kv_cache_manager.allocate_slots`` and, when it
+                           fails, preempt ``self.running.pop()`` (``_preempt_request``) until it fits
+``_preempt_tail``          ``_preempt_request`` (recompute): free the victim's blocks, ``num_computed_tokens
+                           = 0``, ``self.waiting.prepend_request(victim)``
+``_schedule_waiting``      ``schedule()``, "Next, schedule the WAITING requests" (only without preemption):
+                           stop at ``max_num_running_reqs``; skip requests whose LoRA would exceed
+                           ``max_loras`` (``skipped_waiting_requests``); stop when ``allocate_slots`` fails
+``_activate_adapters``     the worker's ``LRUCacheWorkerLoRAManager._apply_adapters`` /
+                           ``LRUCacheLoRAModelManager.activate_adapter``: load missing adapters from disk into
+                           the CPU cache and into a GPU slot, evicting the least recently used
+``_step_ms``               the model run (``execute_model``): scheduler CPU time + adapter loads + forward
+                           pass, from the calibrated estimators in ``steptime.py``
+``_update_from_output``    ``update_from_output``: advance ``num_computed_tokens``, sample one token per
+                           request that reached its end, ``_free_request`` the finished ones
+=========================  =====================================================================================
 
-* state lives in numpy arrays indexed by request, by adapter, or by slot of the running list (the hot
-  per-step state of running requests is contiguous: ``run_comp[i]``, ``run_blk[i]``);
-* the waiting queue is one FIFO per adapter, ordered by a global key (arrival index, or a negative
-  counter for preemption victims so that they sort first, latest victim first). The global queue order is
-  the merge of the FIFOs, so vLLM's scan "skip requests of non-resident adapters, admit the others in
-  order" becomes "take the minimum head key" over all adapters (while ``|U| < A``) or over the adapters
-  with running requests (once ``|U| == A``). Two tournament trees answer that minimum in O(1) and are
-  updated in O(log N) — no O(W) scan per step (twin.md pitfall 14);
-* the core is compiled with numba; ``compiled=False`` runs the very same code as plain Python.
+Exact semantics (ties, held arrivals, timeline sampling) are in ``docs/engine-semantics.md``; ``reference.py``
+is the literal, object-per-request version the tests compare against.
+
+The state lives in named containers of flat numpy arrays (``EngineState``): per request (``Requests``), the
+waiting queue (``WaitingQueue``), the running list by slot (``RunningSlots``), the adapter caches
+(``AdapterCaches``), the 2 s timeline, and the scalar ``counters`` (one numpy record, ``COUNTERS``). What makes
+it fast:
+
+* the hot per-step state of running requests is contiguous by slot of the running list
+  (``running.computed_tokens[i]``, ``running.kv_blocks[i]``);
+* the waiting queue is one FIFO per adapter, ordered by a global key (arrival index, or a negative counter
+  for preemption victims so that they sort first, latest victim first). The global queue order is the merge
+  of the FIFOs, so vLLM's scan "skip requests of adapters that would exceed max_loras, admit the others in
+  order" becomes "take the minimum head key" over all adapters (while fewer than ``max_loras`` adapters are
+  in the batch) or over the adapters with running requests (once ``max_loras`` are). Two tournament trees
+  answer that minimum in O(1) and are updated in O(log N): no O(W) scan per step (twin.md pitfall 14);
+* the phases are inlined into one compiled loop that allocates nothing and runs without numba's reference
+  counting (``_nrt=False``): reading an array out of a container then costs what reading a local does;
+* ``compiled=False`` runs the step loop as plain Python (the phases it calls stay compiled).
+
+Compiled machine code is cached in a user cache directory keyed by the hash of this file and ``steptime.py``
+(numba does not notice changes of code it inlined from another file); nothing is written into the package.
 """
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from . import steptime as _steptime_mod
+from .jitcache import cached_njit
 from .types import TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays
 
+_compute_ms = cached_njit()(_steptime_mod.compute_ms)
+_sched_ms = cached_njit()(_steptime_mod.sched_ms)
 
-def _drop_stale_numba_cache() -> None:
-    """numba's cache only tracks the file of each cached function, not the step-time code it inlines from
-    ``steptime.py``: drop the twin's cached machine code whenever either source file changed."""
-    import hashlib
-    from pathlib import Path
-
-    here = Path(__file__).parent
-    digest = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("engine.py", "steptime.py"))).hexdigest()
-    cache = here / "__pycache__"
-    stamp = cache / "lorapack_twin_sources.sha256"
-    try:
-        if stamp.is_file() and stamp.read_text() == digest:
-            return
-        for f in list(cache.glob("*.nbi")) + list(cache.glob("*.nbc")):
-            f.unlink(missing_ok=True)
-        cache.mkdir(exist_ok=True)
-        stamp.write_text(digest)
-    except OSError:  # read-only install: numba then simply recompiles or reuses what is there
-        pass
-
-
-_drop_stale_numba_cache()
-compute_ms, sched_ms = _steptime_mod.compute_ms, _steptime_mod.sched_ms
-
-_compute_ms = njit(cache=True)(compute_ms)
-_sched_ms = njit(cache=True)(sched_ms)
-
-INF_KEY = np.int64(2**62)
+INF_KEY = np.int64(2**62)  # the key of an empty FIFO
 WAITING, RUNNING, FINISHED = 1, 2, 3
 
+# Scalar state, named; one record per run so that a run can pause and resume (``Engine.advance_to``).
+COUNTERS = np.dtype([
+    ("t_s", np.float64),  # simulated time: end of the last step (or idle jump)
+    ("step", np.int64),  # non-idle steps so far (the LRU clock of the adapter caches)
+    ("next_arrival_index", np.int64),  # first request not yet injected
+    ("held_end_index", np.int64),  # arrivals below this index were held back by the client cap
+    ("preemption_serial", np.int64),  # victims get queue key -serial: latest victim first
+    ("n_preemptions", np.int64),
+    ("n_gpu_loads", np.int64),
+    ("n_disk_loads", np.int64),
+    ("n_waiting", np.int64),
+    ("n_running", np.int64),
+    ("n_active_adapters", np.int64),  # adapters with running requests
+    ("n_gpu_resident", np.int64),
+    ("n_cpu_resident", np.int64),
+    ("next_sample", np.int64),  # index of the next timeline sample
+    ("free_kv_blocks", np.int64),
+    ("n_completed", np.int64),  # finished by duration_s
+    ("completed_tokens", np.int64),
+    ("n_sent", np.int64),
+    ("sent_tokens", np.int64),
+    ("inflight_tokens", np.int64),  # tokens of injected, unfinished requests
+    ("busy_s", np.float64),
+    ("sched_s", np.float64),
+    ("load_s", np.float64),
+], align=True)
 
-@njit(cache=True)
-def _tree_set(tk, ta, size, a, key):
+class ServerLimits(NamedTuple):
+    """The server as the scheduler sees it (read-only during a run)."""
+
+    max_loras: int  # GPU adapter slots
+    max_cpu_loras: int  # CPU adapter cache capacity
+    kv_blocks: int
+    block_size_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    client_cap_waiting: int  # client-saturation cap on waiting requests; 0 = off
+    duration_s: float
+    timeline_dt_s: float
+    step_coef: np.ndarray  # steptime.StepModel.to_array()
+    load_ms: np.ndarray  # [adapter] CPU -> GPU activation
+    disk_ms: np.ndarray  # [adapter] disk -> CPU load
+
+class Requests(NamedTuple):
+    """Per request: the arrivals (inputs) and their state."""
+
+    t_arr_s: np.ndarray
+    adapter: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray  # tokens to generate
+    status: np.ndarray  # 0 not injected, WAITING, RUNNING, FINISHED
+    queue_key: np.ndarray  # position in the global waiting order
+    output_tokens_done: np.ndarray  # written back when the request leaves the running list
+    t_sent_s: np.ndarray
+    t_first_s: np.ndarray
+    t_finish_s: np.ndarray
+    n_preempted: np.ndarray
+
+class WaitingQueue(NamedTuple):
+    """One FIFO per adapter (doubly linked through the requests) and two min-trees over the head keys."""
+
+    head: np.ndarray  # [adapter] first request, -1 if empty
+    tail: np.ndarray  # [adapter]
+    next: np.ndarray  # [request]
+    prev: np.ndarray  # [request]
+    all_key: np.ndarray  # tree over every adapter's head key ...
+    all_adapter: np.ndarray  # ... and the adapter holding it
+    active_key: np.ndarray  # tree over the head keys of adapters with running requests
+    active_adapter: np.ndarray
+
+class RunningSlots(NamedTuple):
+    """The running list in admission order, one slot per request; a step's schedule is a slot prefix."""
+
+    request: np.ndarray
+    computed_tokens: np.ndarray
+    output_tokens: np.ndarray  # produced so far
+    kv_blocks: np.ndarray  # held
+    prompt_tokens: np.ndarray
+    target_output_tokens: np.ndarray
+    adapter: np.ndarray
+    scheduled_tokens: np.ndarray  # this step
+
+class AdapterCaches(NamedTuple):
+    """GPU slots and CPU cache, LRU by the step of last use (ties: lowest index)."""
+
+    n_running: np.ndarray  # [adapter] running requests
+    in_gpu: np.ndarray
+    gpu_slots: np.ndarray  # resident adapters, first n_gpu_resident entries
+    gpu_last_step: np.ndarray
+    in_cpu: np.ndarray
+    cpu_slots: np.ndarray
+    cpu_last_step: np.ndarray
+    batch_step: np.ndarray  # [adapter] last step whose batch used it
+    batch: np.ndarray  # the distinct adapters of this step's batch
+    missing: np.ndarray  # those of them not in a GPU slot, in increasing index
+
+class EngineState(NamedTuple):
+    requests: Requests
+    queue: WaitingQueue
+    running: RunningSlots
+    adapters: AdapterCaches
+    timeline: np.ndarray  # [sample, TIMELINE_COLUMNS]
+    counters: np.ndarray  # one COUNTERS record
+
+
+# ---- the waiting queue ---------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _tree_set(tree_key, tree_adapter, a, key):
     """Set leaf ``a`` of a min-tournament tree to ``key`` and fix the path to the root."""
+    size = tree_key.shape[0] // 2
     i = size + a
-    tk[i] = key
-    ta[i] = a
+    tree_key[i] = key
+    tree_adapter[i] = a
     i >>= 1
     while i >= 1:
         left = 2 * i
-        if tk[left] <= tk[left + 1]:
-            tk[i] = tk[left]
-            ta[i] = ta[left]
+        if tree_key[left] <= tree_key[left + 1]:
+            tree_key[i] = tree_key[left]
+            tree_adapter[i] = tree_adapter[left]
         else:
-            tk[i] = tk[left + 1]
-            ta[i] = ta[left + 1]
+            tree_key[i] = tree_key[left + 1]
+            tree_adapter[i] = tree_adapter[left + 1]
         i >>= 1
 
 
-@njit(cache=True)
-def _refresh(a, w_head, key, run_count, tk_all, ta_all, tk_u, ta_u, size):
+@njit(inline="always")
+def _publish_head(st, a):
     """Re-publish adapter ``a``'s head key in both trees after its FIFO or running count changed."""
-    h = w_head[a]
-    k = key[h] if h >= 0 else INF_KEY
-    if tk_all[size + a] != k:
-        _tree_set(tk_all, ta_all, size, a, k)
-    ku = k if run_count[a] > 0 else INF_KEY
-    if tk_u[size + a] != ku:
-        _tree_set(tk_u, ta_u, size, a, ku)
+    q = st.queue
+    size = q.all_key.shape[0] // 2
+    h = q.head[a]
+    k = st.requests.queue_key[h] if h >= 0 else INF_KEY
+    if q.all_key[size + a] != k:
+        _tree_set(q.all_key, q.all_adapter, a, k)
+    k_active = k if st.adapters.n_running[a] > 0 else INF_KEY
+    if q.active_key[size + a] != k_active:
+        _tree_set(q.active_key, q.active_adapter, a, k_active)
 
 
-@njit(cache=True)
-def _lru_victim(resident, n_res, stamp, step_mark, s):
-    """Index in ``resident`` of the least recently used adapter not in this step's batch."""
-    best = -1
-    for j in range(n_res):
-        a = resident[j]
-        if step_mark[a] == s:
+@njit(inline="always")
+def _push_tail(st, r, a):
+    q = st.queue
+    q.prev[r] = q.tail[a]
+    q.next[r] = -1
+    if q.tail[a] >= 0:
+        q.next[q.tail[a]] = r
+    else:
+        q.head[a] = r
+        _publish_head(st, a)
+    q.tail[a] = r
+
+
+@njit(inline="always")
+def _push_head(st, r, a):
+    q = st.queue
+    q.prev[r] = -1
+    q.next[r] = q.head[a]
+    if q.head[a] >= 0:
+        q.prev[q.head[a]] = r
+    else:
+        q.tail[a] = r
+    q.head[a] = r
+    _publish_head(st, a)
+
+
+@njit(inline="always")
+def _pop_head(st, a):
+    q = st.queue
+    r = q.head[a]
+    q.head[a] = q.next[r]
+    if q.head[a] >= 0:
+        q.prev[q.head[a]] = -1
+    else:
+        q.tail[a] = -1
+    q.next[r] = -1
+    return r
+
+
+# ---- the phases of one step ----------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _emit_samples(lim, st, until_now):
+    """Timeline rows for sample times <= now (``until_now``), or all remaining ones (end of the run)."""
+    c = st.counters[0]
+    tl = st.timeline
+    while c.next_sample < tl.shape[0] and (not until_now or c.next_sample * lim.timeline_dt_s <= c.t_s):
+        k = c.next_sample
+        tl[k, 0] = k * lim.timeline_dt_s
+        tl[k, 1] = c.n_running
+        tl[k, 2] = c.n_waiting
+        tl[k, 3] = (lim.kv_blocks - c.free_kv_blocks) / lim.kv_blocks if lim.kv_blocks > 0 else 0.0
+        tl[k, 4] = c.n_preemptions
+        tl[k, 5] = c.n_gpu_resident
+        tl[k, 6] = c.n_active_adapters
+        c.next_sample = k + 1
+
+
+@njit(inline="always")
+def _add_arrivals(lim, st):
+    """Inject the arrivals up to now at the waiting tail; the client cap holds them back instead."""
+    c = st.counters[0]
+    req = st.requests
+    n = req.t_arr_s.shape[0]
+    t = c.t_s
+    while c.next_arrival_index < n and req.t_arr_s[c.next_arrival_index] <= t:
+        r = c.next_arrival_index
+        if lim.client_cap_waiting > 0 and c.n_waiting >= lim.client_cap_waiting:
+            j = max(r, c.held_end_index)  # everything before held_end_index is already marked
+            while j < n and req.t_arr_s[j] <= t:
+                j += 1
+            if j > c.held_end_index:
+                c.held_end_index = j
+            return
+        req.t_sent_s[r] = t if r < c.held_end_index else req.t_arr_s[r]
+        tokens = req.prompt_tokens[r] + req.output_tokens[r]
+        c.n_sent += 1
+        c.sent_tokens += tokens
+        c.inflight_tokens += tokens
+        req.status[r] = WAITING
+        req.queue_key[r] = r
+        _push_tail(st, r, req.adapter[r])
+        c.n_waiting += 1
+        c.next_arrival_index = r + 1
+
+
+@njit(inline="always")
+def _preempt_tail(st):
+    """Preempt the last running request (recompute): it loses its blocks and computed tokens and
+    returns to the head of the waiting queue, ahead of every arrival."""
+    c = st.counters[0]
+    run, req, ad = st.running, st.requests, st.adapters
+    c.n_running -= 1
+    slot = c.n_running
+    v = run.request[slot]
+    c.free_kv_blocks += run.kv_blocks[slot]
+    req.output_tokens_done[v] = run.output_tokens[slot]
+    req.n_preempted[v] += 1
+    c.n_preemptions += 1
+    c.preemption_serial += 1
+    req.queue_key[v] = -c.preemption_serial
+    req.status[v] = WAITING
+    a = run.adapter[slot]
+    ad.n_running[a] -= 1
+    if ad.n_running[a] == 0:
+        c.n_active_adapters -= 1
+    _push_head(st, v, a)
+    c.n_waiting += 1
+
+
+@njit(inline="always")
+def _schedule_running(lim, st):
+    """The running pass, in admission order. Returns (token budget left, requests scheduled, decode
+    requests among them, their computed context tokens, whether a request was preempted)."""
+    c = st.counters[0]
+    run = st.running
+    budget = lim.max_num_batched_tokens
+    preempted = False
+    n_decode = 0
+    ctx_tokens = 0.0
+    i = 0
+    while i < c.n_running and budget > 0:
+        pending = run.prompt_tokens[i] + run.output_tokens[i] - run.computed_tokens[i]
+        num = min(pending, budget)
+        while True:  # allocate_slots, preempting the tail until the blocks fit
+            need = (run.computed_tokens[i] + num + lim.block_size_tokens - 1) // lim.block_size_tokens \
+                - run.kv_blocks[i]
+            if need <= c.free_kv_blocks:
+                if need > 0:
+                    run.kv_blocks[i] += need
+                    c.free_kv_blocks -= need
+                break
+            _preempt_tail(st)
+            preempted = True
+            if c.n_running == i:  # the victim was this request itself
+                break
+        if c.n_running == i:
+            break
+        if run.output_tokens[i] >= 1 and pending == 1:
+            n_decode += 1
+        ctx_tokens += run.computed_tokens[i]
+        run.scheduled_tokens[i] = num
+        budget -= num
+        i += 1
+    return budget, i, n_decode, ctx_tokens, preempted
+
+
+@njit(inline="always")
+def _admit(lim, st, r, a, num, need_blocks):
+    """Move waiting request ``r`` (head of adapter ``a``'s FIFO) to a new running slot."""
+    c = st.counters[0]
+    run, req, ad = st.running, st.requests, st.adapters
+    _pop_head(st, a)
+    c.n_waiting -= 1
+    c.free_kv_blocks -= need_blocks
+    req.status[r] = RUNNING
+    slot = c.n_running
+    run.request[slot] = r
+    run.computed_tokens[slot] = 0
+    run.output_tokens[slot] = req.output_tokens_done[r]
+    run.kv_blocks[slot] = need_blocks
+    run.prompt_tokens[slot] = req.prompt_tokens[r]
+    run.target_output_tokens[slot] = req.output_tokens[r]
+    run.adapter[slot] = a
+    run.scheduled_tokens[slot] = num
+    c.n_running = slot + 1
+    if ad.n_running[a] == 0:
+        c.n_active_adapters += 1
+    ad.n_running[a] += 1
+    _publish_head(st, a)
+
+
+@njit(inline="always")
+def _schedule_waiting(lim, st, budget, n_scheduled):
+    """The waiting pass: the merge of the per-adapter FIFOs by key, with the ``max_loras`` skip rule.
+    Returns (token budget left, requests scheduled)."""
+    c = st.counters[0]
+    q, req = st.queue, st.requests
+    while c.n_waiting > 0 and budget > 0:
+        if c.n_running == lim.max_num_seqs:
+            break
+        if c.n_active_adapters < lim.max_loras:
+            a = q.all_adapter[1]  # any adapter may join the batch
+        else:
+            if q.active_key[1] == INF_KEY:
+                break  # every waiting request belongs to an adapter outside the batch: skipped
+            a = q.active_adapter[1]
+        r = q.head[a]
+        num = min(req.prompt_tokens[r] + req.output_tokens_done[r], budget)  # computed nothing yet
+        need_blocks = (num + lim.block_size_tokens - 1) // lim.block_size_tokens
+        if need_blocks > c.free_kv_blocks:
+            break
+        _admit(lim, st, r, a, num, need_blocks)
+        n_scheduled += 1
+        budget -= num
+    return budget, n_scheduled
+
+
+@njit(inline="always")
+def _lru_victim(slots, n_resident, last_step, batch_step, step):
+    """Index in ``slots`` of the least recently used resident adapter outside this step's batch.
+
+    One always exists: the batch has at most ``max_loras`` adapters and includes the one being loaded,
+    which is not resident, while the caller only evicts from a full cache of >= ``max_loras`` slots."""
+    best = 0
+    found = False
+    for j in range(n_resident):
+        a = slots[j]
+        if batch_step[a] == step:
             continue
-        if best < 0 or stamp[a] < stamp[resident[best]] or (
-                stamp[a] == stamp[resident[best]] and a < resident[best]):
+        b = slots[best]
+        if not found or last_step[a] < last_step[b] or (last_step[a] == last_step[b] and a < b):
             best = j
+            found = True
     return best
 
 
-# Scalar state lives in two small arrays so that a run can pause and resume (``Engine.advance_to``).
-(I_STEP, I_PTR, I_HELD_END, I_PREEMPT_CTR, I_N_PREEMPT, I_N_GPU_LOADS, I_N_DISK_LOADS, I_N_WAITING,
- I_N_RUN, I_N_ACTIVE, I_N_GPU, I_N_CPU, I_NEXT_SAMPLE, I_FREE, I_N_DONE, I_DONE_TOK, I_N_SENT,
- I_SENT_TOK, I_INFLIGHT_TOK) = range(19)
-N_ISC = 19
-F_T, F_BUSY, F_SCHED, F_LOAD = range(4)
-N_FSC = 4
-# positions in the state tuple that the Python side reads
-A_T_SENT, A_T_FIRST, A_T_FINISH, A_N_PREEMPTED, A_W_HEAD, A_TK_ALL, A_TA_ALL, A_TIMELINE = 3, 4, 5, 6, 7, 11, 12, 32
+@njit(inline="always")
+def _evict_cpu(lim, st):
+    """Drop the least recently used adapter from the CPU cache (and from its GPU slot, if it has one)."""
+    c = st.counters[0]
+    ad = st.adapters
+    j = _lru_victim(ad.cpu_slots, c.n_cpu_resident, ad.cpu_last_step, ad.batch_step, c.step)
+    old = ad.cpu_slots[j]
+    ad.in_cpu[old] = False
+    ad.cpu_slots[j] = ad.cpu_slots[c.n_cpu_resident - 1]
+    c.n_cpu_resident -= 1
+    if ad.in_gpu[old]:
+        ad.in_gpu[old] = False
+        for jj in range(c.n_gpu_resident):
+            if ad.gpu_slots[jj] == old:
+                ad.gpu_slots[jj] = ad.gpu_slots[c.n_gpu_resident - 1]
+                c.n_gpu_resident -= 1
+                break
 
 
-@njit(cache=True)
-def _new_state(n, n_ad, max_loras, max_cpu_loras, kv_blocks, max_num_seqs, warm_gpu, warm_cpu,
-               duration_s, timeline_dt_s):
+@njit(inline="always")
+def _load_adapter(lim, st, a, load_ms):
+    """Bring adapter ``a`` into a GPU slot (via the CPU cache); returns ``load_ms`` plus its load time."""
+    c = st.counters[0]
+    ad = st.adapters
+    if not ad.in_cpu[a]:
+        if c.n_cpu_resident >= lim.max_cpu_loras:
+            _evict_cpu(lim, st)
+        ad.in_cpu[a] = True
+        ad.cpu_slots[c.n_cpu_resident] = a
+        c.n_cpu_resident += 1
+        load_ms += lim.disk_ms[a]
+        c.n_disk_loads += 1
+    if c.n_gpu_resident >= lim.max_loras:
+        j = _lru_victim(ad.gpu_slots, c.n_gpu_resident, ad.gpu_last_step, ad.batch_step, c.step)
+        ad.in_gpu[ad.gpu_slots[j]] = False
+        ad.gpu_slots[j] = ad.gpu_slots[c.n_gpu_resident - 1]
+        c.n_gpu_resident -= 1
+    ad.in_gpu[a] = True
+    ad.gpu_slots[c.n_gpu_resident] = a
+    c.n_gpu_resident += 1
+    load_ms += lim.load_ms[a]
+    c.n_gpu_loads += 1
+    return load_ms
+
+
+@njit(inline="always")
+def _activate_adapters(lim, st, n_scheduled):
+    """Mark the batch's adapters used (LRU) and load the missing ones in increasing index.
+    Returns (batch tokens, distinct adapters in the batch, load time in ms)."""
+    c = st.counters[0]
+    run, ad = st.running, st.adapters
+    n_adapters = 0
+    n_tokens = 0
+    for k in range(n_scheduled):
+        n_tokens += run.scheduled_tokens[k]
+        a = run.adapter[k]
+        if ad.batch_step[a] != c.step:
+            ad.batch_step[a] = c.step
+            ad.batch[n_adapters] = a
+            n_adapters += 1
+    n_missing = 0
+    for k in range(n_adapters):
+        a = ad.batch[k]
+        ad.gpu_last_step[a] = c.step
+        ad.cpu_last_step[a] = c.step
+        if not ad.in_gpu[a]:  # insertion sort: loads happen in increasing adapter index
+            j = n_missing
+            while j > 0 and ad.missing[j - 1] > a:
+                ad.missing[j] = ad.missing[j - 1]
+                j -= 1
+            ad.missing[j] = a
+            n_missing += 1
+    load_ms = 0.0
+    for k in range(n_missing):
+        load_ms = _load_adapter(lim, st, ad.missing[k], load_ms)  # summed in this order: bit-identical times
+    return n_tokens, n_adapters, load_ms
+
+
+@njit(inline="always")
+def _finish(st, k, t_end_s, duration_s):
+    """``_free_request``: the request in slot ``k`` produced its last token at ``t_end_s``."""
+    c = st.counters[0]
+    run, req, ad = st.running, st.requests, st.adapters
+    r = run.request[k]
+    req.t_finish_s[r] = t_end_s
+    req.status[r] = FINISHED
+    req.output_tokens_done[r] = run.output_tokens[k]
+    c.free_kv_blocks += run.kv_blocks[k]
+    run.kv_blocks[k] = 0
+    tokens = run.prompt_tokens[k] + run.target_output_tokens[k]
+    c.inflight_tokens -= tokens
+    if t_end_s <= duration_s:
+        c.n_completed += 1
+        c.completed_tokens += tokens
+    a = run.adapter[k]
+    ad.n_running[a] -= 1
+    if ad.n_running[a] == 0:
+        c.n_active_adapters -= 1
+        _publish_head(st, a)
+
+
+@njit(inline="always")
+def _compact_running(st, first_finished):
+    """Drop finished requests from the running list, keeping admission order."""
+    c = st.counters[0]
+    run = st.running
+    j = first_finished
+    for k in range(first_finished, c.n_running):
+        if st.requests.status[run.request[k]] != FINISHED:
+            if j != k:
+                run.request[j] = run.request[k]
+                run.computed_tokens[j] = run.computed_tokens[k]
+                run.output_tokens[j] = run.output_tokens[k]
+                run.kv_blocks[j] = run.kv_blocks[k]
+                run.prompt_tokens[j] = run.prompt_tokens[k]
+                run.target_output_tokens[j] = run.target_output_tokens[k]
+                run.adapter[j] = run.adapter[k]
+            j += 1
+    c.n_running = j
+
+
+@njit(inline="always")
+def _update_from_output(lim, st, n_scheduled, t_end_s):
+    """Tokens computed; a request whose computed tokens reach its length samples one token (its first
+    sets ``t_first_s``); requests with all their output tokens finish."""
+    run = st.running
+    first_finished = -1
+    for k in range(n_scheduled):
+        run.computed_tokens[k] += run.scheduled_tokens[k]
+        if run.computed_tokens[k] == run.prompt_tokens[k] + run.output_tokens[k]:
+            run.output_tokens[k] += 1
+            if run.output_tokens[k] == 1:
+                st.requests.t_first_s[run.request[k]] = t_end_s
+            if run.output_tokens[k] == run.target_output_tokens[k]:
+                _finish(st, k, t_end_s, lim.duration_s)
+                if first_finished < 0:
+                    first_finished = k
+    if first_finished >= 0:
+        _compact_running(st, first_finished)
+
+
+@njit(inline="always")
+def _step(lim, st):
+    """One iteration of the engine loop: arrivals, schedule, adapters, step time, update."""
+    c = st.counters[0]
+    _emit_samples(lim, st, True)
+    _add_arrivals(lim, st)
+    budget, n_scheduled, n_decode, ctx_tokens, preempted = _schedule_running(lim, st)
+    if not preempted:
+        budget, n_scheduled = _schedule_waiting(lim, st, budget, n_scheduled)
+    if n_scheduled == 0:  # idle: jump to the next arrival (no step time charged)
+        req = st.requests
+        nxt = c.next_arrival_index
+        if nxt < req.t_arr_s.shape[0] and req.t_arr_s[nxt] > c.t_s:
+            c.t_s = req.t_arr_s[nxt]
+        else:
+            c.t_s = lim.duration_s
+        return
+    n_tokens, n_adapters, load_ms = _activate_adapters(lim, st, n_scheduled)
+    # step time = scheduler (CPU) + adapter loads + forward pass
+    sched_ms = _sched_ms(lim.step_coef, c.n_running, c.n_waiting)
+    step_ms = sched_ms + load_ms + _compute_ms(lim.step_coef, n_scheduled, n_tokens - n_decode, n_tokens,
+                                                ctx_tokens, n_adapters)
+    dt_s = step_ms / 1000.0
+    t_end_s = c.t_s + dt_s
+    _update_from_output(lim, st, n_scheduled, t_end_s)
+    c.t_s = t_end_s
+    c.step += 1
+    c.busy_s += dt_s
+    c.sched_s += sched_ms / 1000.0
+    c.load_s += load_ms / 1000.0
+
+
+# Without numba's reference counting (``_nrt=False``; the loop allocates nothing): every access to an array
+# of a state container would otherwise count a reference, which made the step loop ~15x slower.
+@cached_njit(_nrt=False)
+def _advance(lim, st, t_stop_s):
+    """Run steps while ``t < min(t_stop_s, duration_s)``. All state lives in ``st``, so pausing and
+    resuming gives exactly the uninterrupted run."""
+    c = st.counters[0]
+    t_end_loop_s = min(t_stop_s, lim.duration_s)
+    while c.t_s < t_end_loop_s:
+        _step(lim, st)
+    if c.t_s >= lim.duration_s:  # the run is over: the remaining samples show the final state
+        _emit_samples(lim, st, False)
+
+
+def _advance_python(lim: ServerLimits, st: EngineState, t_stop_s: float) -> None:
+    """``_advance`` with the loop and the step in the interpreter (the phases the step calls are compiled)."""
+    c = st.counters[0]
+    t_end_loop_s = min(t_stop_s, lim.duration_s)
+    while c.t_s < t_end_loop_s:
+        _step.py_func(lim, st)
+    if c.t_s >= lim.duration_s:
+        _emit_samples(lim, st, False)
+
+
+def _timeline_samples(duration_s: float, timeline_dt_s: float) -> int:
+    n = 0
+    while n * timeline_dt_s < duration_s:  # the same float test as the sampling itself
+        n += 1
+    return n
+
+
+def new_state(cfg: EngineConfig, req: RequestArrays) -> EngineState:
     """All arrays of one run, with the warm-start adapter caches (semantics doc, "State")."""
-    out_done = np.zeros(n, np.int64)  # written back when a request leaves the running list
-    status = np.zeros(n, np.int8)
-    key = np.zeros(n, np.int64)
-    t_sent = np.full(n, np.nan)
-    t_first = np.full(n, np.nan)
-    t_finish = np.full(n, np.nan)
-    n_preempted = np.zeros(n, np.int32)
-    # waiting queue: one FIFO per adapter, linked through w_next / w_prev; two min-trees over head keys
-    w_head = np.full(n_ad, -1, np.int64)
-    w_tail = np.full(n_ad, -1, np.int64)
-    w_next = np.full(n, -1, np.int64)
-    w_prev = np.full(n, -1, np.int64)
+    n, n_ad = len(req), cfg.n_adapters
+    max_loras, max_cpu_loras = int(cfg.max_loras), int(cfg.max_cpu_loras)
     size = 1
     while size < n_ad:
         size *= 2
-    tk_all = np.full(2 * size, INF_KEY, np.int64)
-    ta_all = np.full(2 * size, -1, np.int64)
-    tk_u = np.full(2 * size, INF_KEY, np.int64)
-    ta_u = np.full(2 * size, -1, np.int64)
-    # running list in admission order, one slot per running request: its hot state is copied into
-    # contiguous slot arrays (the step walks them every step; request-indexed arrays would miss the cache).
-    # The step's schedule is always a prefix of the slots: run_num[slot] = tokens scheduled.
-    cap_run = min(n, max_num_seqs) + 1
-    run_req = np.zeros(cap_run, np.int64)
-    run_comp = np.zeros(cap_run, np.int64)  # computed tokens
-    run_out = np.zeros(cap_run, np.int64)  # output tokens produced
-    run_blk = np.zeros(cap_run, np.int64)  # KV blocks held
-    run_p = np.zeros(cap_run, np.int64)
-    run_o = np.zeros(cap_run, np.int64)
-    run_ad = np.zeros(cap_run, np.int64)
-    run_num = np.zeros(cap_run, np.int64)
-    run_count = np.zeros(n_ad, np.int64)  # running requests per adapter
-    # adapter caches: LRU by stamp (ties: lowest index)
-    gpu_res = np.zeros(max(max_loras, 1), np.int64)
-    in_gpu = np.zeros(n_ad, np.bool_)
-    cpu_res = np.zeros(max(max_cpu_loras, 1), np.int64)
-    in_cpu = np.zeros(n_ad, np.bool_)
-    gpu_stamp = np.zeros(n_ad, np.int64)
-    cpu_stamp = np.zeros(n_ad, np.int64)
-    step_mark = np.full(n_ad, -1, np.int64)
-    u_list = np.zeros(max(max_loras, 1) + 1, np.int64)
-    n_samples = 0
-    while n_samples * timeline_dt_s < duration_s:
-        n_samples += 1
-    timeline = np.zeros((n_samples, 7))
-
-    isc = np.zeros(N_ISC, np.int64)
-    fsc = np.zeros(N_FSC, np.float64)
-    isc[I_FREE] = kv_blocks
-    for a in range(n_ad):
-        gpu_stamp[a] = a - n_ad
-        cpu_stamp[a] = a - n_ad
-    n_cpu = 0
-    n_gpu = 0
-    if warm_cpu:
+    requests = Requests(
+        t_arr_s=req.t_arr_s, adapter=req.adapter, prompt_tokens=req.prompt_tokens, output_tokens=req.output_tokens,
+        status=np.zeros(n, np.int8), queue_key=np.zeros(n, np.int64), output_tokens_done=np.zeros(n, np.int64),
+        t_sent_s=np.full(n, np.nan), t_first_s=np.full(n, np.nan), t_finish_s=np.full(n, np.nan),
+        n_preempted=np.zeros(n, np.int32))
+    queue = WaitingQueue(
+        head=np.full(n_ad, -1, np.int64), tail=np.full(n_ad, -1, np.int64), next=np.full(n, -1, np.int64),
+        prev=np.full(n, -1, np.int64), all_key=np.full(2 * size, INF_KEY, np.int64),
+        all_adapter=np.full(2 * size, -1, np.int64), active_key=np.full(2 * size, INF_KEY, np.int64),
+        active_adapter=np.full(2 * size, -1, np.int64))
+    cap = min(n, int(cfg.max_num_seqs)) + 1
+    running = RunningSlots(*(np.zeros(cap, np.int64) for _ in RunningSlots._fields))
+    stamps = np.arange(n_ad, dtype=np.int64) - n_ad  # earlier registered = less recently used
+    adapters = AdapterCaches(
+        n_running=np.zeros(n_ad, np.int64), in_gpu=np.zeros(n_ad, np.bool_),
+        gpu_slots=np.zeros(max(max_loras, 1), np.int64), gpu_last_step=stamps.copy(),
+        in_cpu=np.zeros(n_ad, np.bool_), cpu_slots=np.zeros(max(max_cpu_loras, 1), np.int64),
+        cpu_last_step=stamps.copy(), batch_step=np.full(n_ad, -1, np.int64),
+        batch=np.zeros(max(max_loras, 1) + 1, np.int64), missing=np.zeros(max(max_loras, 1) + 1, np.int64))
+    counters = np.zeros(1, COUNTERS).view(np.recarray)  # records with attribute access, in Python too
+    c = counters[0]
+    c.free_kv_blocks = int(cfg.kv_blocks)
+    if cfg.warm_cpu:  # the last registered adapters
         for a in range(n_ad - min(max_cpu_loras, n_ad), n_ad):
-            in_cpu[a] = True
-            cpu_res[n_cpu] = a
-            n_cpu += 1
-    if warm_gpu:
+            adapters.in_cpu[a] = True
+            adapters.cpu_slots[c.n_cpu_resident] = a
+            c.n_cpu_resident += 1
+    if cfg.warm_gpu:
         for a in range(n_ad - min(max_loras, n_ad), n_ad):
-            in_gpu[a] = True
-            gpu_res[n_gpu] = a
-            n_gpu += 1
-            if not in_cpu[a] and n_cpu < max_cpu_loras:
-                in_cpu[a] = True
-                cpu_res[n_cpu] = a
-                n_cpu += 1
-    isc[I_N_GPU] = n_gpu
-    isc[I_N_CPU] = n_cpu
-    arrays = (out_done, status, key, t_sent, t_first, t_finish, n_preempted,
-              w_head, w_tail, w_next, w_prev, tk_all, ta_all, tk_u, ta_u,
-              run_req, run_comp, run_out, run_blk, run_p, run_o, run_ad, run_num, run_count,
-              gpu_res, in_gpu, cpu_res, in_cpu, gpu_stamp, cpu_stamp, step_mark, u_list, timeline)
-    return arrays, isc, fsc
+            adapters.in_gpu[a] = True
+            adapters.gpu_slots[c.n_gpu_resident] = a
+            c.n_gpu_resident += 1
+            if not adapters.in_cpu[a] and c.n_cpu_resident < max_cpu_loras:
+                adapters.in_cpu[a] = True
+                adapters.cpu_slots[c.n_cpu_resident] = a
+                c.n_cpu_resident += 1
+    timeline = np.zeros((_timeline_samples(float(cfg.duration_s), float(cfg.timeline_dt_s)), len(TIMELINE_COLUMNS)))
+    return EngineState(requests, queue, running, adapters, timeline, counters)
 
 
-@njit(cache=True)
-def _emit_samples(timeline, next_sample, t_upto, inclusive, timeline_dt_s, n_run, n_waiting, kv_blocks,
-                  free, n_preemptions, n_gpu, n_active):
-    """Timeline rows for sample times <= t_upto (or all remaining when ``inclusive`` is False)."""
-    n_samples = timeline.shape[0]
-    while next_sample < n_samples and (not inclusive or next_sample * timeline_dt_s <= t_upto):
-        timeline[next_sample, 0] = next_sample * timeline_dt_s
-        timeline[next_sample, 1] = n_run
-        timeline[next_sample, 2] = n_waiting
-        timeline[next_sample, 3] = (kv_blocks - free) / kv_blocks if kv_blocks > 0 else 0.0
-        timeline[next_sample, 4] = n_preemptions
-        timeline[next_sample, 5] = n_gpu
-        timeline[next_sample, 6] = n_active
-        next_sample += 1
-    return next_sample
-
-
-@njit(cache=True)
-def _advance(t_arr, adapter, p_tok, o_tok, load_ms, disk_ms, coef,
-             max_loras, max_cpu_loras, kv_blocks, duration_s, max_num_seqs, mnbt, bs,
-             client_cap, timeline_dt_s, arrays, isc, fsc, t_stop):
-    """Run steps while ``t < min(t_stop, duration_s)``; the state is read from and written back to
-    ``arrays``/``isc``/``fsc``, so pausing and resuming gives exactly the uninterrupted run."""
-    (out_done, status, key, t_sent, t_first, t_finish, n_preempted,
-     w_head, w_tail, w_next, w_prev, tk_all, ta_all, tk_u, ta_u,
-     run_req, run_comp, run_out, run_blk, run_p, run_o, run_ad, run_num, run_count,
-     gpu_res, in_gpu, cpu_res, in_cpu, gpu_stamp, cpu_stamp, step_mark, u_list, timeline) = arrays
-    n = t_arr.shape[0]
-    size = tk_all.shape[0] // 2
-    s = isc[I_STEP]
-    ptr = isc[I_PTR]
-    held_end = isc[I_HELD_END]
-    preempt_counter = isc[I_PREEMPT_CTR]
-    n_preemptions = isc[I_N_PREEMPT]
-    n_gpu_loads = isc[I_N_GPU_LOADS]
-    n_disk_loads = isc[I_N_DISK_LOADS]
-    n_waiting = isc[I_N_WAITING]
-    n_run = isc[I_N_RUN]
-    n_active = isc[I_N_ACTIVE]  # adapters with running requests (= U when the waiting pass runs)
-    n_gpu = isc[I_N_GPU]
-    n_cpu = isc[I_N_CPU]
-    next_sample = isc[I_NEXT_SAMPLE]
-    free = isc[I_FREE]
-    n_done = isc[I_N_DONE]
-    done_tok = isc[I_DONE_TOK]
-    n_sent = isc[I_N_SENT]
-    sent_tok = isc[I_SENT_TOK]
-    inflight_tok = isc[I_INFLIGHT_TOK]
-    t = fsc[F_T]
-    busy_s = fsc[F_BUSY]
-    sched_s_total = fsc[F_SCHED]
-    load_s_total = fsc[F_LOAD]
-    t_end_loop = min(t_stop, duration_s)
-
-    while t < t_end_loop:
-        # 0. timeline samples up to now
-        next_sample = _emit_samples(timeline, next_sample, t, True, timeline_dt_s, n_run, n_waiting,
-                                    kv_blocks, free, n_preemptions, n_gpu, n_active)
-
-        # 1. inject arrivals (client-saturation cap holds them back)
-        while ptr < n and t_arr[ptr] <= t:
-            if client_cap > 0 and n_waiting >= client_cap:
-                j = max(ptr, held_end)  # everything before held_end is already marked
-                while j < n and t_arr[j] <= t:
-                    j += 1
-                if j > held_end:
-                    held_end = j
-                break
-            r = ptr
-            t_sent[r] = t if r < held_end else t_arr[r]
-            n_sent += 1
-            sent_tok += p_tok[r] + o_tok[r]
-            inflight_tok += p_tok[r] + o_tok[r]
-            status[r] = WAITING
-            key[r] = r
-            a = adapter[r]
-            w_prev[r] = w_tail[a]
-            w_next[r] = -1
-            if w_tail[a] >= 0:
-                w_next[w_tail[a]] = r
-            else:
-                w_head[a] = r
-                _refresh(a, w_head, key, run_count, tk_all, ta_all, tk_u, ta_u, size)
-            w_tail[a] = r
-            n_waiting += 1
-            ptr += 1
-
-        # 2. running pass, in admission order; preempt from the tail when KV runs out
-        budget = mnbt
-        preempted = False
-        n_sched = 0
-        n_dec = 0
-        ctx = 0.0
-        i = 0
-        while i < n_run and budget > 0:
-            pending = run_p[i] + run_out[i] - run_comp[i]
-            num = min(pending, budget)
-            can_schedule = True
-            while True:
-                need = (run_comp[i] + num + bs - 1) // bs - run_blk[i]
-                if need <= free:
-                    if need > 0:
-                        run_blk[i] += need
-                        free -= need
-                    break
-                n_run -= 1  # preempt the tail (recompute): it loses its blocks and computed tokens
-                v = run_req[n_run]
-                free += run_blk[n_run]
-                out_done[v] = run_out[n_run]
-                n_preempted[v] += 1
-                n_preemptions += 1
-                preempted = True
-                preempt_counter += 1
-                key[v] = -preempt_counter  # sorts before every arrival; latest victim first
-                status[v] = WAITING
-                av = run_ad[n_run]
-                run_count[av] -= 1
-                if run_count[av] == 0:
-                    n_active -= 1
-                w_prev[v] = -1
-                w_next[v] = w_head[av]
-                if w_head[av] >= 0:
-                    w_prev[w_head[av]] = v
-                else:
-                    w_tail[av] = v
-                w_head[av] = v
-                n_waiting += 1
-                _refresh(av, w_head, key, run_count, tk_all, ta_all, tk_u, ta_u, size)
-                if n_run == i:  # the victim was this request itself
-                    can_schedule = False
-                    break
-            if not can_schedule:
-                break
-            if run_out[i] >= 1 and pending == 1:
-                n_dec += 1
-            ctx += run_comp[i]
-            run_num[i] = num
-            n_sched += 1
-            budget -= num
-            i += 1
-
-        # 3. waiting pass: merge of the per-adapter FIFOs by key, with the max_loras skip rule
-        if not preempted:
-            while n_waiting > 0 and budget > 0:
-                if n_run == max_num_seqs:
-                    break
-                if n_active < max_loras:
-                    a = ta_all[1]  # any adapter may join the batch
-                else:
-                    if tk_u[1] == INF_KEY:
-                        break  # every waiting request belongs to a non-resident adapter: skipped
-                    a = ta_u[1]
-                r = w_head[a]
-                num = min(p_tok[r] + out_done[r], budget)  # a waiting request has computed nothing
-                need = (num + bs - 1) // bs
-                if need > free:
-                    break
-                # admit r: pop the head of its adapter's FIFO
-                w_head[a] = w_next[r]
-                if w_head[a] >= 0:
-                    w_prev[w_head[a]] = -1
-                else:
-                    w_tail[a] = -1
-                w_next[r] = -1
-                n_waiting -= 1
-                free -= need
-                status[r] = RUNNING
-                run_req[n_run] = r
-                run_comp[n_run] = 0
-                run_out[n_run] = out_done[r]
-                run_blk[n_run] = need
-                run_p[n_run] = p_tok[r]
-                run_o[n_run] = o_tok[r]
-                run_ad[n_run] = a
-                run_num[n_run] = num
-                n_run += 1
-                if run_count[a] == 0:
-                    n_active += 1
-                run_count[a] += 1
-                _refresh(a, w_head, key, run_count, tk_all, ta_all, tk_u, ta_u, size)
-                n_sched += 1
-                budget -= num
-
-        # 4. idle: jump to the next arrival (no step time charged)
-        if n_sched == 0:
-            if ptr < n and t_arr[ptr] > t:
-                t = t_arr[ptr]
-            else:
-                t = duration_s
-            continue
-
-        # 5. adapters of this batch: touch (LRU), activate the non-resident ones
-        n_u = 0
-        n_tok = 0
-        for k in range(n_sched):  # the schedule is the slot prefix [0, n_sched)
-            n_tok += run_num[k]
-            a = run_ad[k]
-            if step_mark[a] != s:
-                step_mark[a] = s
-                u_list[n_u] = a
-                n_u += 1
-        step_load_ms = 0.0
-        n_missing = 0
-        for k in range(n_u):
-            a = u_list[k]
-            gpu_stamp[a] = s
-            cpu_stamp[a] = s
-            if not in_gpu[a]:
-                n_missing += 1
-        if n_missing > 0:
-            missing = np.sort(u_list[:n_u])
-            for k in range(n_u):
-                a = missing[k]
-                if in_gpu[a]:
-                    continue
-                if not in_cpu[a]:
-                    if n_cpu >= max_cpu_loras:
-                        j = _lru_victim(cpu_res, n_cpu, cpu_stamp, step_mark, s)
-                        old = cpu_res[j]
-                        in_cpu[old] = False
-                        cpu_res[j] = cpu_res[n_cpu - 1]
-                        n_cpu -= 1
-                        if in_gpu[old]:
-                            in_gpu[old] = False
-                            for jj in range(n_gpu):
-                                if gpu_res[jj] == old:
-                                    gpu_res[jj] = gpu_res[n_gpu - 1]
-                                    n_gpu -= 1
-                                    break
-                    in_cpu[a] = True
-                    cpu_res[n_cpu] = a
-                    n_cpu += 1
-                    step_load_ms += disk_ms[a]
-                    n_disk_loads += 1
-                if n_gpu >= max_loras:
-                    j = _lru_victim(gpu_res, n_gpu, gpu_stamp, step_mark, s)
-                    in_gpu[gpu_res[j]] = False
-                    gpu_res[j] = gpu_res[n_gpu - 1]
-                    n_gpu -= 1
-                in_gpu[a] = True
-                gpu_res[n_gpu] = a
-                n_gpu += 1
-                step_load_ms += load_ms[a]
-                n_gpu_loads += 1
-
-        # 6. step time = scheduler (CPU) + adapter loads + forward pass
-        step_sched_ms = _sched_ms(coef, n_run, n_waiting)
-        ms = step_sched_ms + step_load_ms + _compute_ms(coef, n_sched, n_tok - n_dec, n_tok, ctx, n_u)
-        dt = ms / 1000.0
-        t_end = t + dt
-
-        # 7. update: tokens computed, sampled, finished
-        n_fin = 0
-        first_fin = n_run
-        for k in range(n_sched):
-            run_comp[k] += run_num[k]
-            if run_comp[k] == run_p[k] + run_out[k]:
-                run_out[k] += 1
-                r = run_req[k]
-                if run_out[k] == 1:
-                    t_first[r] = t_end
-                if run_out[k] == run_o[k]:
-                    t_finish[r] = t_end
-                    status[r] = FINISHED
-                    out_done[r] = run_out[k]
-                    free += run_blk[k]
-                    run_blk[k] = 0
-                    tok = run_p[k] + run_o[k]
-                    inflight_tok -= tok
-                    if t_end <= duration_s:
-                        n_done += 1
-                        done_tok += tok
-                    a = run_ad[k]
-                    run_count[a] -= 1
-                    if run_count[a] == 0:
-                        n_active -= 1
-                        _refresh(a, w_head, key, run_count, tk_all, ta_all, tk_u, ta_u, size)
-                    if n_fin == 0:
-                        first_fin = k
-                    n_fin += 1
-        if n_fin > 0:  # drop finished requests from running, keeping admission order
-            j = first_fin
-            for k in range(first_fin, n_run):
-                if status[run_req[k]] != FINISHED:
-                    if j != k:
-                        run_req[j] = run_req[k]
-                        run_comp[j] = run_comp[k]
-                        run_out[j] = run_out[k]
-                        run_blk[j] = run_blk[k]
-                        run_p[j] = run_p[k]
-                        run_o[j] = run_o[k]
-                        run_ad[j] = run_ad[k]
-                    j += 1
-            n_run = j
-
-        t = t_end
-        s += 1
-        busy_s += dt
-        sched_s_total += step_sched_ms / 1000.0
-        load_s_total += step_load_ms / 1000.0
-
-    if t >= duration_s:  # the run is over: the remaining samples show the final state
-        next_sample = _emit_samples(timeline, next_sample, t, False, timeline_dt_s, n_run, n_waiting,
-                                    kv_blocks, free, n_preemptions, n_gpu, n_active)
-    isc[I_STEP] = s
-    isc[I_PTR] = ptr
-    isc[I_HELD_END] = held_end
-    isc[I_PREEMPT_CTR] = preempt_counter
-    isc[I_N_PREEMPT] = n_preemptions
-    isc[I_N_GPU_LOADS] = n_gpu_loads
-    isc[I_N_DISK_LOADS] = n_disk_loads
-    isc[I_N_WAITING] = n_waiting
-    isc[I_N_RUN] = n_run
-    isc[I_N_ACTIVE] = n_active
-    isc[I_N_GPU] = n_gpu
-    isc[I_N_CPU] = n_cpu
-    isc[I_NEXT_SAMPLE] = next_sample
-    isc[I_FREE] = free
-    isc[I_N_DONE] = n_done
-    isc[I_DONE_TOK] = done_tok
-    isc[I_N_SENT] = n_sent
-    isc[I_SENT_TOK] = sent_tok
-    isc[I_INFLIGHT_TOK] = inflight_tok
-    fsc[F_T] = t
-    fsc[F_BUSY] = busy_s
-    fsc[F_SCHED] = sched_s_total
-    fsc[F_LOAD] = load_s_total
+def server_limits(cfg: EngineConfig) -> ServerLimits:
+    return ServerLimits(
+        max_loras=int(cfg.max_loras), max_cpu_loras=int(cfg.max_cpu_loras), kv_blocks=int(cfg.kv_blocks),
+        block_size_tokens=int(cfg.block_size), max_num_seqs=int(cfg.max_num_seqs),
+        max_num_batched_tokens=int(cfg.max_num_batched_tokens), client_cap_waiting=int(cfg.client_cap),
+        duration_s=float(cfg.duration_s), timeline_dt_s=float(cfg.timeline_dt_s), step_coef=cfg.step_coef,
+        load_ms=cfg.load_ms, disk_ms=cfg.disk_ms)
 
 
 class Engine:
@@ -534,69 +695,65 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig, req: RequestArrays, compiled: bool = True) -> None:
         self.cfg, self.req = cfg, req
-        self._new = _new_state if compiled else _new_state.py_func
-        self._adv = _advance if compiled else _advance.py_func
-        self.arrays, self.isc, self.fsc = self._new(
-            len(req), cfg.n_adapters, int(cfg.max_loras), int(cfg.max_cpu_loras), int(cfg.kv_blocks),
-            int(cfg.max_num_seqs), bool(cfg.warm_gpu), bool(cfg.warm_cpu), float(cfg.duration_s),
-            float(cfg.timeline_dt_s))
+        self.limits = server_limits(cfg)
+        self.state = new_state(cfg, req)
+        self._advance = _advance if compiled else _advance_python
+
+    @property
+    def counters(self) -> np.void:
+        return self.state.counters[0]
 
     @property
     def t_s(self) -> float:
         """Simulated time: the end of the last step (or of the last idle jump)."""
-        return float(self.fsc[F_T])
+        return float(self.counters["t_s"])
 
     @property
     def done(self) -> bool:
         return self.t_s >= self.cfg.duration_s
 
     def advance_to(self, t_stop_s: float) -> Engine:
-        cfg, req = self.cfg, self.req
-        self._adv(req.t_arr_s, req.adapter, req.prompt_tokens, req.output_tokens, cfg.load_ms, cfg.disk_ms,
-                  cfg.step_coef, int(cfg.max_loras), int(cfg.max_cpu_loras), int(cfg.kv_blocks),
-                  float(cfg.duration_s), int(cfg.max_num_seqs), int(cfg.max_num_batched_tokens),
-                  int(cfg.block_size), int(cfg.client_cap), float(cfg.timeline_dt_s), self.arrays, self.isc,
-                  self.fsc, float(t_stop_s))
+        self._advance(self.limits, self.state, float(t_stop_s))
         return self
 
     def snapshot(self) -> dict:
         """Counters a router or an early-stop rule may look at (cheap: no per-request work)."""
-        isc = self.isc
-        a = self.arrays
+        c, q = self.counters, self.state.queue
         oldest_wait_s = 0.0
-        if isc[I_N_WAITING] > 0 and a[A_TK_ALL][1] < INF_KEY:
-            r = a[A_W_HEAD][a[A_TA_ALL][1]]  # head of the adapter holding the smallest key
-            oldest_wait_s = self.t_s - float(a[A_T_SENT][r])
+        if c["n_waiting"] > 0 and q.all_key[1] < INF_KEY:
+            r = q.head[q.all_adapter[1]]  # head of the adapter holding the smallest key
+            oldest_wait_s = self.t_s - float(self.state.requests.t_sent_s[r])
         return {
-            "t_s": self.t_s, "num_requests_running": int(isc[I_N_RUN]),
-            "num_requests_waiting": int(isc[I_N_WAITING]), "kv_used_blocks": int(self.cfg.kv_blocks - isc[I_FREE]),
-            "n_sent": int(isc[I_N_SENT]), "sent_tokens": int(isc[I_SENT_TOK]),
-            "n_completed": int(isc[I_N_DONE]), "completed_tokens": int(isc[I_DONE_TOK]),
-            "inflight_tokens": int(isc[I_INFLIGHT_TOK]), "next_arrival": int(isc[I_PTR]),
-            "n_preemptions": int(isc[I_N_PREEMPT]), "n_gpu_loads": int(isc[I_N_GPU_LOADS]),
-            "oldest_wait_s": oldest_wait_s, "busy_s": float(self.fsc[F_BUSY]), "steps": int(isc[I_STEP]),
+            "t_s": self.t_s, "num_requests_running": int(c["n_running"]),
+            "num_requests_waiting": int(c["n_waiting"]),
+            "kv_used_blocks": int(self.cfg.kv_blocks - c["free_kv_blocks"]),
+            "n_sent": int(c["n_sent"]), "sent_tokens": int(c["sent_tokens"]),
+            "n_completed": int(c["n_completed"]), "completed_tokens": int(c["completed_tokens"]),
+            "inflight_tokens": int(c["inflight_tokens"]), "next_arrival_index": int(c["next_arrival_index"]),
+            "next_arrival": int(c["next_arrival_index"]),  # older name of next_arrival_index
+            "n_preemptions": int(c["n_preemptions"]), "n_gpu_loads": int(c["n_gpu_loads"]),
+            "oldest_wait_s": oldest_wait_s, "busy_s": float(c["busy_s"]), "steps": int(c["step"]),
         }
 
     def result(self) -> EngineResult:
-        a, isc, fsc = self.arrays, self.isc, self.fsc
-        timeline = a[A_TIMELINE]
-        n_rows = int(isc[I_NEXT_SAMPLE])
+        c, req = self.counters, self.state.requests
+        n_rows = int(c["next_sample"])
         return EngineResult(
-            t_sent_s=a[A_T_SENT], t_first_s=a[A_T_FIRST], t_finish_s=a[A_T_FINISH], n_preempted=a[A_N_PREEMPTED],
-            n_steps=int(isc[I_STEP]), n_preemptions=int(isc[I_N_PREEMPT]), n_gpu_loads=int(isc[I_N_GPU_LOADS]),
-            n_disk_loads=int(isc[I_N_DISK_LOADS]), busy_s=float(fsc[F_BUSY]), sched_s=float(fsc[F_SCHED]),
-            load_s=float(fsc[F_LOAD]), held_end=int(isc[I_HELD_END]),
-            timeline={name: timeline[:n_rows, j] for j, name in enumerate(TIMELINE_COLUMNS)},
+            t_sent_s=req.t_sent_s, t_first_s=req.t_first_s, t_finish_s=req.t_finish_s, n_preempted=req.n_preempted,
+            n_steps=int(c["step"]), n_preemptions=int(c["n_preemptions"]), n_gpu_loads=int(c["n_gpu_loads"]),
+            n_disk_loads=int(c["n_disk_loads"]), busy_s=float(c["busy_s"]), sched_s=float(c["sched_s"]),
+            load_s=float(c["load_s"]), held_end=int(c["held_end_index"]),
+            timeline={name: self.state.timeline[:n_rows, j] for j, name in enumerate(TIMELINE_COLUMNS)},
         )
 
 
 def simulate_fast(cfg: EngineConfig, req: RequestArrays, compiled: bool = True) -> EngineResult:
-    """Simulate one server over ``[0, cfg.duration_s)``; ``compiled=False`` runs the same code uncompiled."""
+    """Simulate one server over ``[0, cfg.duration_s)``; ``compiled=False`` runs the step loop uncompiled."""
     return Engine(cfg, req, compiled).advance_to(float("inf")).result()
 
 
 def warm_up() -> float:
-    """Compile the engine once (or load it from numba's cache); returns the seconds it took."""
+    """Compile the engine once (or load it from the cache); returns the seconds it took."""
     t0 = time.perf_counter()
     from .steptime import StepModel
 

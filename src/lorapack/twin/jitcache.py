@@ -1,0 +1,70 @@
+"""Where the twin's compiled machine code is cached: a user cache directory, never the installed package.
+
+numba keys a cached function by its own source file only, but the engine inlines the step-time code of
+``steptime.py``: the directory is therefore named after a hash of both files, so a change of either gets
+fresh machine code. Location: ``$LORAPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/lorapack``, else
+``~/.cache/lorapack``; below it ``numba/twin-<hash>``. Without a writable directory the engine is compiled
+in every process (about a second) and nothing is written anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numba
+from numba.core import config as numba_config
+
+CACHE_ENV_VAR = "LORAPACK_CACHE_DIR"
+SOURCES = ("engine.py", "steptime.py")  # the files whose code the cached engine contains
+
+
+def cache_root() -> Path:
+    """lorapack's user cache directory (it need not exist)."""
+    env = os.environ.get(CACHE_ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "lorapack"
+
+
+def source_hash() -> str:
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / f).read_bytes() for f in SOURCES)).hexdigest()[:16]
+
+
+@functools.cache
+def twin_cache_dir() -> str | None:
+    """The writable cache directory of this version of the twin's sources, or None if there is none."""
+    path = cache_root() / "numba" / f"twin-{source_hash()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError:
+        return None
+    return str(path)
+
+
+def cached_njit(**options: Any) -> Callable[[Callable], Any]:
+    """``numba.njit(cache=True, **options)`` with the cache in ``twin_cache_dir()`` (no caching without one).
+
+    numba picks a function's cache location when it is decorated, from ``numba.config.CACHE_DIR``; it is set
+    for that moment only, so other packages' numba caches are left alone."""
+
+    def decorate(fn: Callable) -> Any:
+        path = twin_cache_dir()
+        if path is None:
+            return numba.njit(**options)(fn)
+        before = numba_config.CACHE_DIR
+        numba_config.CACHE_DIR = path
+        try:
+            return numba.njit(cache=True, **options)(fn)
+        finally:
+            numba_config.CACHE_DIR = before
+
+    return decorate
