@@ -274,7 +274,7 @@ def replay_gpu(profile: Profile, task: GpuTask, window_s: float) -> GpuReplay:
         sent = req.t_arr_s < window_s
         return GpuReplay(
             n_adapters=len(task.ranks), max_loras=a, max_lora_rank=s, n_requests=int(sent.sum()), oom=True,
-            error_type=m.get("error_type"), starved=True, throughput_tok_s=0.0,
+            error_type=m.error_type, starved=True, throughput_tok_s=0.0,
             incoming_tok_s=float((p[sent] + o[sent]).sum()) / window_s, itl_mean_ms=NAN, itl_p99_ms=NAN,
             ttft_mean_s=NAN, ttft_p99_s=NAN, ttft_penalised_s=window_s, n_completed=0,
             starved_adapters=list(task.adapter_ids), decode_gaps=0, decode_span_s=0.0,
@@ -286,13 +286,13 @@ def replay_gpu(profile: Profile, task: GpuTask, window_s: float) -> GpuReplay:
     multi = gaps > 0
     per_req_itl = span[multi] / gaps[multi] * 1000.0
     return GpuReplay(
-        n_adapters=len(task.ranks), max_loras=a, max_lora_rank=s, n_requests=int(m["n_arrived"]), oom=False,
-        error_type=None, starved=bool(m["starved"]), throughput_tok_s=float(m["throughput_tok_s"]),
-        incoming_tok_s=float(m["incoming_tok_s"]), itl_mean_ms=float(m["itl_mean_ms"]),
+        n_adapters=len(task.ranks), max_loras=a, max_lora_rank=s, n_requests=m.n_arrived, oom=False,
+        error_type=None, starved=bool(m.starved), throughput_tok_s=m.throughput_tok_s,
+        incoming_tok_s=m.incoming_tok_s, itl_mean_ms=m.itl_mean_ms,
         itl_p99_ms=float(np.percentile(per_req_itl, 99)) if len(per_req_itl) else NAN,
-        ttft_mean_s=float(m["ttft_mean_ms"]) / 1000.0, ttft_p99_s=float(m["ttft_p99_ms"]) / 1000.0,
-        ttft_penalised_s=float(m["ttft_penalised_mean_ms"]) / 1000.0, n_completed=int(m["n_completed"]),
-        starved_adapters=[task.adapter_ids[i] for i in m["starved_adapter_indices"]],
+        ttft_mean_s=m.ttft_mean_ms / 1000.0, ttft_p99_s=m.ttft_p99_ms / 1000.0,
+        ttft_penalised_s=m.ttft_penalised_mean_ms / 1000.0, n_completed=m.n_completed,
+        starved_adapters=[task.adapter_ids[i] for i in m.starved_adapter_indices],
         decode_gaps=int(gaps.sum()), decode_span_s=float(span.sum()), ttft_samples_s=ttft,
         wall_s=time.perf_counter() - t0)
 
