@@ -84,5 +84,5 @@ class ToyPlacer:
             gpus = [[a.adapter_id for a in workload.adapters[i::g]] for i in range(g)]
         plan = Plan(method=req.method, model=profile.model, gpu_type=profile.gpu,
                     gpus=[self._gpu(workload, ids, profile) for ids in gpus if ids], placement_ms=0.5)
-        plan.settings["gpus_before_verification"] = plan.gpus_used
+        plan.verification = {"gpus_added": 0}
         return plan

@@ -294,7 +294,7 @@ def test_cli_json_contract_and_outputs(tmp_path, trace_file, monkeypatch, capsys
     import lorapack.evaluate.methods as methods
     from data_helpers import run_main
 
-    monkeypatch.setattr(methods, "default_placer", lambda: ToyPlacer())
+    monkeypatch.setattr(methods, "default_placer", lambda *a, **k: ToyPlacer())
     sc = _scenario_file(tmp_path, trace_file, "n_adapters: [16, 32]\nload_scale: 3\nfixed_pool: 4\nmax_pack: true\n")
     out = tmp_path / "out"
     code, stdout, stderr = run_main(monkeypatch, capsys, "evaluate", sc, "--json", "--out", out,
@@ -318,7 +318,7 @@ def test_cli_errors_exit_2_without_output(tmp_path, trace_file, monkeypatch, cap
     import lorapack.evaluate.methods as methods
     from data_helpers import run_main
 
-    monkeypatch.setattr(methods, "default_placer", lambda: ToyPlacer())
+    monkeypatch.setattr(methods, "default_placer", lambda *a, **k: ToyPlacer())
     sc = _scenario_file(tmp_path, trace_file, "n_adapters: 8\n")
     out = tmp_path / "never"
     for args, match in (((sc, "--methods", "nope", "--out", out), "unknown method 'nope'"),
@@ -328,3 +328,18 @@ def test_cli_errors_exit_2_without_output(tmp_path, trace_file, monkeypatch, cap
         code, _, stderr = run_main(monkeypatch, capsys, "evaluate", *args)
         assert code == 2 and match in stderr and "Traceback" not in stderr
         assert not out.exists()
+
+
+def test_real_placement_methods_on_a_small_scenario(tmp_path, trace_file):
+    """The placement package behind the Placer interface: pool methods searched to a replay-clean pool."""
+    from lorapack.evaluate.placement_api import PlacementPlacer
+
+    sc = load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: 24\nload_scale: 6\nfixed_pool: 2\n"
+                                                             "max_pack: false\nobjective: throughput\n"))
+    doc = evaluate_scenarios(sc, PlacementPlacer(), methods=("least-adapters", "loraserve"))
+    entry = doc["scenarios"][0]
+    for m, r in entry["methods"].items():
+        assert CONTRACT_KEYS <= set(r), m
+        assert r["gpus_used"] is not None and r["replay_clean"], (m, r)
+        assert r["gpus_used"] >= r["lower_bound_gpus"] == entry["lower_bound_gpus"]
+        assert r["starved_gpus"] == 0 and r["oom_gpus"] == 0

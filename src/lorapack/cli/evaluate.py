@@ -69,7 +69,8 @@ def evaluate(
         raise SpecError(f"--objective {objective}: expected one of {', '.join(OBJECTIVE_NAMES)}")
     if out is not None:
         out = check_out_dir(out)
-    placer = default_placer()
+    workers_n = workers or (os.cpu_count() or 1)
+    placer = default_placer(workers_n)
     meths = _methods_option(methods)
     if meths is not None:
         check_methods(meths, placer)
@@ -94,7 +95,6 @@ def evaluate(
         raise SpecError(f"two scenarios are named {dup!r}; give the scenario files distinct 'name' fields")
 
     n_units = sum(len(meths or s.methods or placer.methods()) for s in scs)
-    workers_n = workers or (os.cpu_count() or 1)
     from ..twin.engine import warm_up
 
     warm_up()
@@ -155,6 +155,9 @@ def _print_tables(doc: dict) -> None:
                   "TTFT s", "TTFT p99 s", "place ms"):
             t.add_column(c, justify="right" if c != "method" else "left")
         for m, r in sc["methods"].items():
+            if r.get("error"):
+                t.add_row(m, f"[red]error[/red]: {r['error']}", *["-"] * 10)
+                continue
             if r.get("infeasible"):
                 t.add_row(m, "[red]infeasible[/red]", "-", fmt(r.get("gpus_used_fixed_pool")), *["-"] * 7,
                           fmt(r.get("placement_ms"), 2))

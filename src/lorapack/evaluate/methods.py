@@ -27,6 +27,7 @@ class PlaceRequest:
     headroom: float | None
     verify: bool
     seed: int
+    split_hot: bool = False
 
 
 class Placer(Protocol):
@@ -61,10 +62,10 @@ def check_methods(names: list[str] | tuple[str, ...], placer: Placer | None = No
             raise SpecError(f"unknown method '{m}'; expected one of: {', '.join(known)}")
 
 
-def default_placer() -> Placer:
-    """lorapack's placement methods (``lorapack.placement``)."""
+def default_placer(workers: int = 1) -> Placer:
+    """lorapack's placement methods (``lorapack.placement``); ``workers`` processes for their twin runs."""
     try:
         from .placement_api import PlacementPlacer
     except ImportError as exc:  # placement methods not installed in this build
         raise SpecError(f"the placement methods are not available ({exc})") from None
-    return PlacementPlacer()
+    return PlacementPlacer(workers=workers)

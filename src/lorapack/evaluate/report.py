@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli.common import json_safe
+from .runner import CONTRACT_KEYS
 
 BASELINES = ("dlora", "loraserve", "least-adapters", "round-robin", "proposed-lat")
 PROPOSED = "proposed"
@@ -27,9 +28,8 @@ GAP_GPUS, GAP_FRAC, GAP_MAX_N, GAP_TARGET = 1, 0.05, 256, 0.90
 
 def contract_json(doc: dict[str, Any]) -> dict[str, Any]:
     """``{"scenarios": [{"name", "n_adapters", "load_scale", "methods": {METHOD: {...}}}]}`` plus extras."""
-    keys = ("gpus_used", "gpus_used_fixed_pool", "lower_bound_gpus", "starved_gpus", "oom_gpus",
-            "throughput_tok_s", "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "placement_ms")
-    extra = ("infeasible", "reason", "replay_clean", "latency_violation_gpus", "starved_adapters",
+    keys = CONTRACT_KEYS
+    extra = ("error", "infeasible", "reason", "replay_clean", "latency_violation_gpus", "starved_adapters",
              "verification_added_gpus", "self_gpus", "gap_gpus", "no_clean_pool", "fixed_pool", "ttft_penalised_s",
              "throughput_ratio", "incoming_tok_s")
     out = []
@@ -57,7 +57,7 @@ def _within_gap(g: int | None, lb: int) -> bool:
 
 def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
     """The issue's acceptance figures for ``method`` over the scenarios that ran it."""
-    rows = [sc for sc in doc["scenarios"] if method in sc["methods"]]
+    rows = [sc for sc in doc["scenarios"] if method in sc["methods"] and not sc["methods"][method].get("error")]
     out: dict[str, Any] = {"method": method, "scenarios": len(rows)}
     if not rows:
         return out
@@ -124,6 +124,8 @@ def _f(x: Any, digits: int = 1) -> str:
 
 
 def _method_row(m: str, r: dict[str, Any]) -> list[str]:
+    if r.get("error"):
+        return [m, f"error: {r['error']}", *["–"] * (len(METHOD_COLUMNS) - 2)]
     if r.get("infeasible"):
         return [m, "infeasible", "–", "–", _f(r.get("gpus_used_fixed_pool")), "–", "–", "–", "–", "–", "–",
                 _f(r.get("placement_ms")), "–"]

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import LorapackError
 from ..placement.plan import Plan
 from ..profile import Profile
 from ..workload.derive import DerivedWorkload, DeriveOptions, derive_workload, profile_lengths
@@ -32,6 +33,9 @@ from .scenario import Scenario
 
 NAN = float("nan")
 RESULTS_FORMAT = 1
+# per-method keys of the --json contract (issue 9); every method result carries them (None when unknown)
+CONTRACT_KEYS = ("gpus_used", "gpus_used_fixed_pool", "lower_bound_gpus", "starved_gpus", "oom_gpus",
+                 "throughput_tok_s", "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "placement_ms")
 
 
 def load_scenario_profile(sc: Scenario) -> Profile:
@@ -67,14 +71,16 @@ class Budget:
 
 def _metrics(rep: FleetReplay) -> dict[str, Any]:
     s = rep.summary()
-    return {k: s[k] for k in ("oom_gpus", "starved_gpus", "starved_adapters", "latency_violation_gpus",
-                              "replay_clean", "throughput_tok_s", "incoming_tok_s", "throughput_ratio",
-                              "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "ttft_penalised_s")}
+    out = {k: s[k] for k in ("oom_gpus", "starved_gpus", "starved_adapters", "latency_violation_gpus",
+                             "replay_clean", "throughput_tok_s", "incoming_tok_s", "throughput_ratio",
+                             "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "ttft_penalised_s")}
+    out["per_gpu"] = [{k: g[k] for k in PER_GPU_KEYS} for g in rep.per_gpu()]
+    return out
 
 
 def _verification_added(plan: Plan) -> int | None:
-    before = plan.settings.get("gpus_before_verification")
-    return None if before is None else int(plan.gpus_used) - int(before)
+    added = getattr(plan, "verification", {}).get("gpus_added")
+    return None if added is None else int(added)
 
 
 @dataclass
@@ -90,7 +96,8 @@ class Context:
 
 def _place(placer: Placer, ctx: Context, sc: Scenario, method: str, gpus: int | None) -> Plan:
     req = PlaceRequest(method=method, gpus=gpus, objective=sc.objective,
-                       limits=_limits(sc), headroom=sc.headroom, verify=sc.verify, seed=sc.seed)
+                       limits=_limits(sc), headroom=sc.headroom, verify=sc.verify, seed=sc.seed,
+                       split_hot=sc.split_hot)
     return placer.place(ctx.derived.workload(), ctx.profile, req)
 
 
@@ -211,6 +218,9 @@ def _num(x: Any) -> Any:
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
+PER_GPU_KEYS = ("n_adapters", "max_loras", "max_lora_rank", "n_requests", "oom", "starved", "throughput_tok_s",
+                "incoming_tok_s", "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "starved_adapters",
+                "latency_violations")
 ProgressFn = Callable[[str, int], None]  # (what runs now, units of scenario x method just finished)
 
 
@@ -267,7 +277,10 @@ def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple
             if on_step:
                 on_step(f"{sc.name}: {m}", 0)
             tm = time.perf_counter()
-            res = run_method(placer, ctx, sc, m, objective)
+            try:
+                res = run_method(placer, ctx, sc, m, objective)
+            except LorapackError as exc:  # e.g. no learned models for this profile: report, go on
+                res = {"error": str(exc), **dict.fromkeys(CONTRACT_KEYS)}
             res["wall_s"] = time.perf_counter() - tm
             entry["methods"][m] = res
             if on_step:

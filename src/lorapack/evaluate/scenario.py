@@ -22,7 +22,8 @@ Every field marked *axis* takes one value or a list; the scenarios are the cross
     objective: default                # axis: default | throughput | {max_ttft_s: 2, max_itl_ms: 60, ...}
     methods: [proposed, dlora]        # default: every placement method
     headroom: null                    # plan for rates × (1 + headroom) (null: the placement default)
-    verify: true                      # twin verification for the methods that support it
+    verify: true                      # twin verification and repair of the greedy methods (proposed*)
+    split_hot: false                  # split adapters too hot for one GPU into weighted replicas
     seed: 0                           # axis: workload derivation seed(s)
     replay_seed: 0                    # routing draws of split adapters
     max_pack: true                    # compute the single-GPU Max_pack curve of each workload
@@ -131,6 +132,7 @@ class ScenarioFile(_Frozen):
     methods: list[str] | None = None
     headroom: float | None = None
     verify: bool = True
+    split_hot: bool = False
     seed: list[int] = Field(default_factory=lambda: [0], min_length=1)
     replay_seed: int = 0
     max_pack: bool = True
@@ -292,6 +294,7 @@ class Scenario:
     methods: tuple[str, ...] | None
     headroom: float | None
     verify: bool
+    split_hot: bool
     seed: int
     replay_seed: int
     max_pack: bool
@@ -314,7 +317,7 @@ class Scenario:
             "ranks": list(self.ranks), "lengths": "trace" if self.trace_lengths else "profile",
             "windows": {"protocol": self.protocol, "split_s": self.split_s, "jitter_s": self.jitter_s},
             "fixed_pool": self.fixed_pool, "objective": self.objective_label, "headroom": self.headroom,
-            "verify": self.verify, "seed": self.seed, "replay_seed": self.replay_seed,
+            "verify": self.verify, "split_hot": self.split_hot, "seed": self.seed, "replay_seed": self.replay_seed,
         }
 
 
@@ -442,6 +445,6 @@ def load_scenarios(path: str | Path) -> list[Scenario]:
             split_s=spec.windows.split_s, jitter_s=spec.windows.jitter_s, fixed_pool=spec.fixed_pool,
             objective=obj_name, objective_limits=limits,
             methods=tuple(spec.methods) if spec.methods is not None else None, headroom=spec.headroom,
-            verify=spec.verify, seed=seed, replay_seed=spec.replay_seed, max_pack=spec.max_pack))
+            verify=spec.verify, split_hot=spec.split_hot, seed=seed, replay_seed=spec.replay_seed, max_pack=spec.max_pack))
     assert all(p in PROTOCOLS for p in (s.protocol for s in out))
     return out
