@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lorapack.evaluate.methods import PlaceRequest
+from lorapack.evaluate.methods import Bounds, PlaceRequest
 from lorapack.evaluate.replay import LatencyObjective
 from lorapack.oracle import default_slot_rank
 from lorapack.placement.plan import GpuPlan, Plan
@@ -32,17 +32,19 @@ class ToyPlacer:
     adapters round-robin over a given pool (its own choice: the capacity bound)."""
 
     def __init__(self, capacity_tok_s: float = TOY_CAPACITY_TOK_S, slots: int = 16,
-                 infeasible_method: str | None = None) -> None:
+                 infeasible_method: str | None = None, pack: tuple[str, ...] = ("toy-pack",),
+                 deal: tuple[str, ...] = ("toy-deal", "toy-none")) -> None:
+        self.pack, self.deal = pack, deal
         self.capacity = capacity_tok_s
         self.slots = slots
         self.infeasible_method = infeasible_method
         self.calls: list[tuple[str, int | None]] = []
 
     def methods(self) -> tuple[str, ...]:
-        return ("toy-pack", "toy-deal", "toy-none")
+        return self.pack + self.deal
 
     def sizes_itself(self, method: str) -> bool:
-        return method == "toy-pack"
+        return method in self.pack
 
     def objective(self, name: str, limits: LatencyObjective | None) -> LatencyObjective:
         if name == "throughput":
@@ -52,8 +54,14 @@ class ToyPlacer:
     def _tau(self, workload) -> float:
         return workload.lengths.mean_input_tokens + workload.lengths.mean_output_tokens
 
-    def lower_bound(self, workload, profile, headroom) -> int:
+    def _bound(self, workload) -> int:
         return max(1, math.ceil(workload.rates_rps.sum() * self._tau(workload) / self.capacity))
+
+    def lower_bound(self, workload, profile, headroom) -> Bounds:
+        return Bounds(gpus=self._bound(workload), gpus_no_nmax=self._bound(workload))
+
+    def method_bound(self, method: str, bounds: Bounds) -> int:
+        return bounds.gpus if method in self.pack else bounds.gpus_no_nmax
 
     def _gpu(self, workload, ids: list[str], profile) -> GpuPlan:
         ranks = [a.rank for a in workload.adapters if a.adapter_id in set(ids)]
@@ -67,7 +75,7 @@ class ToyPlacer:
         if req.method == self.infeasible_method or req.method == "toy-none":
             return Plan(method=req.method, model=profile.model, gpu_type=profile.gpu, gpus=[], infeasible=True,
                         reason="toy says no", placement_ms=0.1)
-        if req.method == "toy-pack":
+        if req.method in self.pack:
             gpus: list[list[str]] = [[]]
             load = [0.0]
             for a in sorted(workload.adapters, key=lambda a: -a.rate_rps):
@@ -80,7 +88,7 @@ class ToyPlacer:
                 gpus[-1].append(a.adapter_id)
                 load[-1] += a.rate_rps * tau
         else:
-            g = req.gpus or self.lower_bound(workload, profile, None)
+            g = req.gpus or self._bound(workload)
             gpus = [[a.adapter_id for a in workload.adapters[i::g]] for i in range(g)]
         plan = Plan(method=req.method, model=profile.model, gpu_type=profile.gpu,
                     gpus=[self._gpu(workload, ids, profile) for ids in gpus if ids], placement_ms=0.5)

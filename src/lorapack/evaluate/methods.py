@@ -17,6 +17,14 @@ from .replay import LatencyObjective
 
 
 @dataclass(frozen=True)
+class Bounds:
+    """Lower bounds on the GPUs of any plan: with the N_max-adapters-per-GPU row and without it."""
+
+    gpus: int
+    gpus_no_nmax: int
+
+
+@dataclass(frozen=True)
 class PlaceRequest:
     """One placement call: a method, a pool cap (None = the smallest pool the method finds) and settings."""
 
@@ -46,7 +54,11 @@ class Placer(Protocol):
         """The per-GPU latency limits a replayed GPU must meet under this objective."""
         ...
 
-    def lower_bound(self, workload: Workload, profile: Profile, headroom: float | None) -> int:
+    def lower_bound(self, workload: Workload, profile: Profile, headroom: float | None) -> Bounds:
+        ...
+
+    def method_bound(self, method: str, bounds: Bounds) -> int:
+        """The bound a method is compared with (without the N_max row for methods that may exceed it)."""
         ...
 
     def place(self, workload: Workload, profile: Profile, req: PlaceRequest) -> Plan:

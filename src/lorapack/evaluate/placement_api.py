@@ -6,8 +6,9 @@
   count of placement's own smallest-pool search (each size accepted by the method and validated by the twin
   with one seed), the evaluation then looks for the smallest pool whose *replay* is clean; ``gpus=G`` is one
   run on G GPUs (the fixed-pool protocol).
-* The lower bound is ``placement.lower_bound`` on the instance the methods get (headroom applied), with the
-  ``N_max`` row (what ``proposed`` is compared with).
+* The lower bound is ``placement.lower_bound`` on the instance the methods get (headroom applied): with the
+  ``N_max`` row for the greedy methods (which keep at most N_max adapters per GPU), without it for the others
+  (placement's own convention).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from ..placement import (
     lower_bound,
     place,
 )
+from ..placement.api import NMAX_METHODS
 from ..placement.plan import Plan
 from ..profile import Profile
 from ..spec import Workload
-from .methods import PlaceRequest
+from .methods import Bounds, PlaceRequest
 from .replay import LatencyObjective
 
 
@@ -54,9 +56,13 @@ class PlacementPlacer:
         return LatencyObjective(max_ttft_s=o.max_ttft_s, max_ttft_p99_s=o.max_ttft_p99_s, max_itl_ms=o.max_itl_ms,
                                 max_itl_p99_ms=o.max_itl_p99_ms)
 
-    def lower_bound(self, workload: Workload, profile: Profile, headroom: float | None) -> int:
+    def lower_bound(self, workload: Workload, profile: Profile, headroom: float | None) -> Bounds:
         inst = instance_from_workload(workload, headroom=DEFAULT_HEADROOM if headroom is None else headroom)
-        return int(lower_bound(inst, profile).gpus)
+        b = lower_bound(inst, profile)
+        return Bounds(gpus=int(b.gpus), gpus_no_nmax=int(b.gpus_no_nmax))
+
+    def method_bound(self, method: str, bounds: Bounds) -> int:
+        return bounds.gpus if method in NMAX_METHODS else bounds.gpus_no_nmax
 
     def place(self, workload: Workload, profile: Profile, req: PlaceRequest) -> Plan:
         return place(workload, profile, req.method, gpus=req.gpus,

@@ -206,6 +206,12 @@ def scenario_markdown(sc: dict[str, Any]) -> str:
     return out
 
 
+def _lb(sc: dict[str, Any]) -> str:
+    """The bound with the N_max row, and the one without it in parentheses when it is lower."""
+    lb, free = sc["lower_bound_gpus"], sc.get("lower_bound_gpus_no_nmax", sc["lower_bound_gpus"])
+    return str(lb) if free == lb else f"{lb} ({free})"
+
+
 def compact_table(doc: dict[str, Any], methods: list[str] | None = None, key: str = "gpus_used") -> str:
     """One row per scenario, one column per method (``key``), with the lower bound."""
     scs = doc["scenarios"]
@@ -214,7 +220,7 @@ def compact_table(doc: dict[str, Any], methods: list[str] | None = None, key: st
     for sc in scs:
         s = sc["scenario"]
         cells = [sc["name"], s["model"].split("-")[0], "/".join(map(str, s["ranks"])), str(s["n_adapters"]),
-                 f"×{s['load_scale']:g}", s["objective"], str(sc["lower_bound_gpus"])]
+                 f"×{s['load_scale']:g}", s["objective"], _lb(sc)]
         for m in methods:
             r = sc["methods"].get(m)
             if r is None:
@@ -367,3 +373,114 @@ def write_outputs(doc: dict[str, Any], out_dir: Path) -> dict[str, str]:
     report = out_dir / "report.md"
     _write_atomic(report, render_report(slim, figures))
     return {"results": str(results), "report": str(report), "figures": str(out_dir / "figures")}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# study view (docs/evaluation.md): tables per model and objective, figures per model
+
+
+def _by(doc: dict[str, Any], *keys: str) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for sc in doc["scenarios"]:
+        groups[tuple(sc["scenario"][k] for k in keys)].append(sc)
+    return groups
+
+
+def study_markdown(doc: dict[str, Any], figures: list[str] | None = None) -> str:
+    """Acceptance summary per objective, GPU tables per model and objective, fixed-pool tables."""
+    parts = []
+    for (objective,), scs in _by(doc, "objective").items():
+        sub = {**doc, "scenarios": scs}
+        parts.append(f"### Summary, objective `{objective}`\n\n{summary_markdown(sub)}\n")
+    for (model, objective), scs in _by(doc, "model", "objective").items():
+        sub = {**doc, "scenarios": sorted(scs, key=lambda s: (s["scenario"]["ranks"], s["load_scale"],
+                                                                s["n_adapters"]))}
+        parts.append(f"### GPUs used (smallest replay-clean pool): {model}, objective `{objective}`\n\n"
+                     + compact_table(sub) + "\n")
+        if any(s["scenario"].get("fixed_pool") for s in scs):
+            fixed = {**sub, "scenarios": [s for s in sub["scenarios"]
+                                          if s["lower_bound_gpus"] <= (s["scenario"].get("fixed_pool") or 0)]}
+            parts.append(f"### GPUs used on the fixed pool of {scs[0]['scenario']['fixed_pool']}: {model}, "
+                         f"objective `{objective}` (scenarios whose lower bound fits)\n\n"
+                         + compact_table(fixed, key="gpus_used_fixed_pool") + "\n")
+    if figures:
+        parts.append("### Figures\n")
+        parts += [f"![{Path(f).stem}]({f})\n" for f in figures]
+    return "\n".join(parts)
+
+
+def study_figures(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[str]:
+    """Per model: GPUs vs adapters (rows: rank sets, columns: loads; default objective first) and the
+    Max_pack curves of the largest workloads. Returns the file names written into ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    curves = {c["scenario"]: c for c in doc.get("max_pack", [])}
+    for (model, objective), scs in _by(doc, "model", "objective").items():
+        ranks = sorted({tuple(s["scenario"]["ranks"]) for s in scs})
+        loads = sorted({s["load_scale"] for s in scs})
+        fig, axes = plt.subplots(len(ranks), len(loads), figsize=(4.2 * len(loads), 3.3 * len(ranks)),
+                                 squeeze=False)
+        methods = list(dict.fromkeys(m for s in scs for m in s["methods"]))
+        for i, rk in enumerate(ranks):
+            for j, k in enumerate(loads):
+                ax = axes[i][j]
+                cell = sorted((s for s in scs if tuple(s["scenario"]["ranks"]) == rk and s["load_scale"] == k),
+                              key=lambda s: s["n_adapters"])
+                ns = [s["n_adapters"] for s in cell]
+                for m in methods:
+                    ys = [s["methods"].get(m, {}).get("gpus_used") for s in cell]
+                    ax.plot(ns, [float("nan") if y is None else y for y in ys], marker="o", ms=3, label=m)
+                ax.plot(ns, [s["lower_bound_gpus"] for s in cell], "k--", label="lower bound")
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"ranks {'/'.join(map(str, rk))}, ×{k:g}", fontsize=9)
+                ax.grid(alpha=0.3)
+                if i == len(ranks) - 1:
+                    ax.set_xlabel("adapters")
+                if j == 0:
+                    ax.set_ylabel("GPUs")
+        axes[0][0].legend(fontsize=6)
+        fig.suptitle(f"{model}: GPUs of the smallest replay-clean pool, objective {objective}", fontsize=10)
+        fig.tight_layout()
+        name = _slug(f"{prefix}gpus-{model}-{objective}") + ".png"
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+    for (model,), scs in _by(doc, "model").items():
+        n_max = max(s["n_adapters"] for s in scs)
+        cells = [s for s in scs if s["n_adapters"] == n_max and s["name"] in curves]
+        if not cells:
+            continue
+        ranks = sorted({tuple(s["scenario"]["ranks"]) for s in cells})
+        loads = sorted({s["load_scale"] for s in cells})
+        fig, axes = plt.subplots(len(ranks), len(loads), figsize=(4.2 * len(loads), 3.3 * len(ranks)),
+                                 squeeze=False)
+        for s in cells:
+            ax = axes[ranks.index(tuple(s["scenario"]["ranks"]))][loads.index(s["load_scale"])]
+            c = curves[s["name"]]
+            first = True
+            for a, cv in c["by_slots"].items():
+                line, = ax.plot(cv["n"], cv["throughput_tok_s"], marker="o", ms=3, label=f"A {a}")
+                bad = [(n, y) for n, y, st in zip(cv["n"], cv["throughput_tok_s"], cv["starved"], strict=True) if st]
+                if bad:
+                    ax.scatter(*zip(*bad, strict=True), marker="x", s=30, color=line.get_color())
+                if first:
+                    ax.plot(cv["n"], cv["incoming_tok_s"], "k--", label="incoming")
+                    first = False
+            ax.set_title(f"ranks {'/'.join(map(str, s['scenario']['ranks']))}, ×{s['load_scale']:g}: Max_pack "
+                         + ", ".join(f"{a}:{_f(cv['max_pack'])}" for a, cv in c["by_slots"].items()), fontsize=7)
+            ax.grid(alpha=0.3)
+            ax.set_xlabel("adapters on one GPU")
+            ax.set_ylabel("tok/s")
+        axes[0][0].legend(fontsize=6)
+        fig.suptitle(f"{model}: single-GPU throughput vs adapters (first n of the {n_max}; x = starved)", fontsize=10)
+        fig.tight_layout()
+        name = _slug(f"{prefix}max_pack-{model}") + ".png"
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+    return written

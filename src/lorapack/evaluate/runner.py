@@ -27,7 +27,7 @@ from ..errors import LorapackError
 from ..placement.plan import Plan
 from ..profile import Profile
 from ..workload.derive import DerivedWorkload, DeriveOptions, derive_workload, profile_lengths
-from .methods import Placer, PlaceRequest
+from .methods import Bounds, Placer, PlaceRequest
 from .replay import FleetReplay, LatencyObjective, Mapper, Replayer
 from .scenario import Scenario
 
@@ -90,7 +90,7 @@ class Context:
     profile: Profile
     derived: DerivedWorkload
     replayer: Replayer
-    lower_bound: int
+    bounds: Bounds
     plans: dict[str, Plan] = field(default_factory=dict)  # kept for --out (key: scenario/method/protocol)
 
 
@@ -163,7 +163,8 @@ def run_method(placer: Placer, ctx: Context, sc: Scenario, method: str, objectiv
     def replay(plan: Plan) -> FleetReplay:
         return ctx.replayer.replay(plan, objective)
 
-    out: dict[str, Any] = {"lower_bound_gpus": ctx.lower_bound}
+    lb = placer.method_bound(method, ctx.bounds)
+    out: dict[str, Any] = {"lower_bound_gpus": lb}
     own = _place(placer, ctx, sc, method, None)
     ctx.plans[f"{method}/smallest"] = own
     out["self_gpus"] = None if own.infeasible else own.gpus_used
@@ -176,15 +177,18 @@ def run_method(placer: Placer, ctx: Context, sc: Scenario, method: str, objectiv
         final = own
         probes: list[dict] = []
         if not placer.sizes_itself(method):
-            cache: dict[int, Plan] = {own.gpus_used: own}
+            # raw runs on each pool size (the plan at placement's own size is the same assignment, but its
+            # placement_ms includes placement's search): placement time = one run of the method, as published
+            out["search_ms"] = own.placement_ms
+            cache: dict[int, Plan] = {}
 
             def place(g: int) -> Plan:
                 if g not in cache:
                     cache[g] = _place(placer, ctx, sc, method, g)
                 return cache[g]
 
-            best, probes = smallest_clean_pool(place, replay, own.gpus_used, ctx.lower_bound,
-                                               search_cap(ctx.lower_bound, own.gpus_used, sc.n_adapters))
+            best, probes = smallest_clean_pool(place, replay, own.gpus_used, lb,
+                                               search_cap(lb, own.gpus_used, sc.n_adapters))
             if best is not None:
                 final = cache[best]
                 ctx.plans[f"{method}/smallest"] = final
@@ -194,11 +198,11 @@ def run_method(placer: Placer, ctx: Context, sc: Scenario, method: str, objectiv
         out.update(gpus_used=final.gpus_used if (rep.clean or placer.sizes_itself(method)) else None,
                    plan_gpus=final.gpus_used, placement_ms=final.placement_ms,
                    verification_ms=final.verification_ms, search=probes, **_metrics(rep))
-        out["gap_gpus"] = (out["gpus_used"] - ctx.lower_bound) if out["gpus_used"] is not None else None
+        out["gap_gpus"] = (out["gpus_used"] - lb) if out["gpus_used"] is not None else None
     out["gpus_used_fixed_pool"] = None
     if sc.fixed_pool is not None:
-        if ctx.lower_bound > sc.fixed_pool:
-            out["fixed_pool"] = {"skipped": f"lower bound {ctx.lower_bound} > pool {sc.fixed_pool}"}
+        if ctx.bounds.gpus > sc.fixed_pool:  # one rule for every method: the bound with the N_max row
+            out["fixed_pool"] = {"skipped": f"lower bound {ctx.bounds.gpus} > pool {sc.fixed_pool}"}
         else:
             plan = _place(placer, ctx, sc, method, sc.fixed_pool)
             ctx.plans[f"{method}/fixed"] = plan
@@ -252,7 +256,7 @@ def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple
             derived = derive_for(sc, profile)
             ctx = Context(profile=profile, derived=derived,
                           replayer=Replayer(profile, derived, sc.replay_seed, mapper),
-                          lower_bound=placer.lower_bound(derived.workload(), profile, sc.headroom))
+                          bounds=placer.lower_bound(derived.workload(), profile, sc.headroom))
             contexts = {key: ctx}  # one workload's cache at a time: scenarios of a workload are adjacent
         ctx.plans = {}
         objective = placer.objective(sc.objective, _limits(sc))
@@ -266,7 +270,8 @@ def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple
                 "replay_requests": len(d.replay), "mean_input_tokens": d.mean_input_tokens,
                 "mean_output_tokens": d.mean_output_tokens, "max_rate_rps": float(d.rates_rps.max()),
                 "offered_tok_s": d.aggregate_rate_rps * (d.mean_input_tokens + d.mean_output_tokens)},
-            "lower_bound_gpus": ctx.lower_bound, "methods": {},
+            "lower_bound_gpus": ctx.bounds.gpus, "lower_bound_gpus_no_nmax": ctx.bounds.gpus_no_nmax,
+            "methods": {},
         }
         for m in meths:
             if budget.spent():
