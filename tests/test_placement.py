@@ -354,3 +354,35 @@ def test_repair_lowers_max_loras_that_vllm_refuses() -> None:
     assert plan.verification["max_loras_lowered"] == 1 and len(g.adapters) == 300
     raw = place(inst, LLAMA, "dlora", gpus=1, objective=THR, verify=False, **toy_kwargs(50.0))
     assert raw.gpus[0].max_loras == 300 and not raw.verification
+
+
+# ---------------------------------------------------------------------------------------------------------
+# with the twin (slow)
+
+
+@pytest.mark.slow
+def test_capacity_is_an_upper_bound_on_a_saturated_multi_adapter_gpu() -> None:
+    # §5's monotonicity assumption on the twin's estimators: more adapters and slots only cost throughput
+    from lorapack.oracle import GpuCandidate, TwinOracle
+    from lorapack.placement.bound import simulate_capacity_tok_s
+
+    c8 = simulate_capacity_tok_s(LLAMA, 8, 223, 197)
+    c16 = simulate_capacity_tok_s(LLAMA, 16, 223, 197)
+    assert c16 <= c8
+    twin = TwinOracle(seeds=(0,), duration_s=1800, early_stop=False)
+    for n, a in ((8, 8), (64, 32), (128, 128)):
+        cand = GpuCandidate(profile=LLAMA, ranks=np.full(n, 8), rates_rps=np.full(n, 80.0 / n), max_loras=a)
+        assert twin.predict([cand])[0].throughput_tok_s <= c8
+
+
+@pytest.mark.slow
+def test_twin_plans_respect_the_bound_and_pass_verification() -> None:
+    rng = np.random.default_rng(11)
+    inst = instance(rng.dirichlet(np.full(96, 0.5)) * 40.0 + 1e-3, rng.choice([8, 16], 96))
+    for method in ("proposed-exact", "least-adapters"):
+        plan = place(inst, LLAMA, method, workers=1)
+        assert not plan.infeasible, plan.reason
+        assert plan.verification["passed"] and all(g.verified.passed for g in plan.gpus)
+        assert plan.lower_bound_gpus <= plan.gpus_used
+        assert all(g.verified.ttft_s <= 2.0 for g in plan.gpus)
+        assert sorted(plan.routes()) == sorted(inst.adapter_ids)
