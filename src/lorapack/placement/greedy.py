@@ -225,6 +225,8 @@ class _Walker:
                 for a, p in zip(cands, self._predict([self._cand(rk, rt, a) for a in cands]), strict=True):
                     answers[(k, a)] = p
             a_best, pred, why = choose(cands, [answers[(k, a)] for a in cands], self.objective, nt, self.opt)
+            if why == "slots" and self.mem.max_slots(slot_s[k]) < nt:
+                why = "memory"  # more slots would help, but vLLM would not start with them
             if a_best is None and k == 0:
                 sub = self._sub_point(start, nr, nt, why)
                 if sub is not None:
@@ -386,11 +388,41 @@ def balanced_plan(inst: Instance, profile: Profile, oracle: Oracle, objective: O
             if fills is not None:
                 return fills, name
         return None
-    for name, hosts in zip(names, deals, strict=True):  # the twin: only the two largest A per GPU, lazily
-        fills = fit_slots(inst, profile, oracle, objective, hosts, options, top=2)
+    for name, hosts in zip(names, deals, strict=True):  # the twin: lazily, GPU by GPU
+        fills = fit_slots_lazy(inst, profile, oracle, objective, hosts, options)
         if fills is not None:
             return fills, name
     return None
+
+
+def fit_slots_lazy(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective,
+                   hosts: list[list[int]], options: GreedyOptions = GreedyOptions(), batch: int = 2,
+                   mem: MemoryRule | None = None) -> list[GpuFill] | None:
+    """``fit_slots`` for an expensive oracle: GPU by GPU, ``--max-loras`` values from the largest down in batches
+    of ``batch`` (run in parallel), stopping at the first batch with a value that meets the objective, and at
+    the first GPU with none (the assignment fails: the remaining GPUs are not asked about). Every value is tried
+    before a GPU is given up, so it fails exactly when ``fit_slots`` does."""
+    mem = mem or MemoryRule(profile)
+    out: list[GpuFill] = []
+    for idx in hosts:
+        if not idx:
+            continue
+        s = default_slot_rank(int(inst.ranks[idx].max()))
+        avals = slot_candidates(len(idx), s, mem, options.slot_grid)[::-1]
+        tried: list[int] = []
+        preds: list[Prediction] = []
+        a = None
+        for k in range(0, len(avals), batch):
+            part = avals[k:k + batch]
+            tried += part
+            preds += oracle.predict([inst.candidate(profile, idx, x) for x in part])
+            a, p, _why = choose(tried, preds, objective, len(idx), options)
+            if a is not None:
+                break
+        if a is None:
+            return None
+        out.append(GpuFill(entries=list(idx), max_loras=a, prediction=p, binding="none"))
+    return out
 
 
 def rebalance(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective, gpus: list[GpuFill],
