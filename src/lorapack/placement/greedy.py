@@ -33,6 +33,7 @@ from ..errors import LorapackError
 from ..oracle import GpuCandidate, Oracle, Prediction, TwinOracle, default_slot_rank
 from ..profile import Profile
 from .problem import STARVATION_RATIO, Instance, Objective
+from .search import first_true
 
 TESTING_POINTS: tuple[int, ...] = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
 SLOT_GRID: tuple[int, ...] = TESTING_POINTS
@@ -171,6 +172,7 @@ class _Walker:
         self.lookahead = is_cheap(oracle) if options.lookahead is None else options.lookahead
         self.calls = 0
         self.rows = 0
+        self.out_of_range = 0  # answers a learned oracle gave outside its training data
 
     def _arrays(self, start: int, n_real: int, n_test: int) -> tuple[np.ndarray, np.ndarray]:
         idx = self.order[start:start + n_real]
@@ -191,7 +193,9 @@ class _Walker:
             return []
         self.calls += 1
         self.rows += len(cands)
-        return self.oracle.predict(cands)
+        preds = self.oracle.predict(cands)
+        self.out_of_range += sum(not p.in_range for p in preds)
+        return preds
 
     def fill(self, start: int) -> GpuFill:
         """Fill one GPU from work position ``start``; returns its committed entries (possibly none)."""
@@ -290,7 +294,8 @@ def greedy_fill(inst: Instance, profile: Profile, oracle: Oracle, objective: Obj
         gpus.append(g)
         pos += len(g.entries)
     if stats is not None:
-        stats.update(oracle_calls=w.calls, oracle_rows=w.rows, lookahead=w.lookahead)
+        stats.update(oracle_calls=w.calls, oracle_rows=w.rows, oracle_out_of_range=w.out_of_range,
+                     lookahead=w.lookahead)
     return gpus
 
 
@@ -459,6 +464,5 @@ def rebalance(inst: Instance, profile: Profile, oracle: Oracle, objective: Objec
     step = 1  # gallop down from the smallest count that works, then bisect
     while hi - step > lo and attempt(hi - step):
         step *= 2
-    while hi - lo > 1:
-        attempt((lo + hi) // 2)
+    first_true(attempt, lo, hi)  # attempt() records the best plan and narrows lo / hi itself
     return best, origin

@@ -21,6 +21,7 @@ from ..oracle import GpuCandidate, Oracle, Prediction, default_slot_rank
 from ..profile import Profile
 from .greedy import GpuFill, GreedyOptions, Infeasible, MemoryRule, fit_slots, greedy_fill
 from .problem import Instance, Objective
+from .search import first_true
 
 MAX_REPAIR_ROUNDS = 8
 
@@ -171,14 +172,7 @@ def _longest_passing_prefix(inst: Instance, profile: Profile, f: GpuFill, shares
         return hi
     if hi > 1 and ok(hi - 1):  # the common case: one adapter too many (cheap first probe)
         return hi - 1
-    hi -= 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return first_true(lambda p: not ok(p), lo, hi - 1) - 1  # the first prefix that fails, minus one
 
 
 def _rehome(inst: Instance, profile: Profile, fills: list[GpuFill], verdicts: list[Verdict], changed: set[int],
