@@ -60,7 +60,10 @@ class GreedyOptions:
     n_max: int = N_MAX
     clip_amax: bool = True  # plan A = min(A, adapters on the GPU)
     require_throughput: bool = False  # also reject when predicted throughput < 0.9 x offered
-    tie_tolerance: float = 0.005  # throughputs within 0.5 % are a tie (-> the larger A)
+    # throughputs within 2 % of the offered load are a tie (-> lower latency, then the larger A): a GPU that
+    # serves its load differs between candidates only by the tokens in flight when the window ends
+    tie_tolerance: float = 0.02
+    latency_tolerance: float = 0.1  # latency uses within 10 % are a tie (-> the larger A)
     lookahead: bool | None = None  # None: decided by the oracle (cheap oracles look ahead)
     rebalance: bool = True  # compare with balanced plans on fewer GPUs
     # a GPU that fails its first testing point with nothing committed tries these smaller counts (all resident)
@@ -131,7 +134,7 @@ class MemoryRule:
 def choose(cands: Sequence[int], preds: Sequence[Prediction], objective: Objective, n_test: int,
            options: GreedyOptions) -> tuple[int | None, Prediction | None, str]:
     """The TEST's decision among ``--max-loras`` candidates: ``(A, prediction, "")`` for the feasible one with
-    the highest throughput (ties -> larger A), else ``(None, None, binding)``."""
+    the highest throughput (ties: the lower latency use, then the larger A), else ``(None, None, binding)``."""
     ok: list[tuple[int, Prediction]] = []
     reasons: list[str] = []
     for c, p in zip(cands, preds, strict=True):
@@ -150,12 +153,17 @@ def choose(cands: Sequence[int], preds: Sequence[Prediction], objective: Objecti
     thr = [p.throughput_tok_s for _, p in ok]
     finite = [t for t in thr if math.isfinite(t)]
     top = max(finite) if finite else math.nan
-    best: tuple[int, Prediction] | None = None
-    for (c, p), t in zip(ok, thr, strict=True):
-        tie = not math.isfinite(t) or not math.isfinite(top) or t >= top * (1.0 - options.tie_tolerance)
-        if tie and (best is None or c > best[0]):
-            best = (c, p)
-    assert best is not None
+    offered = max((p.incoming_tok_s for _, p in ok if math.isfinite(p.incoming_tok_s)), default=math.nan)
+    scale = offered if math.isfinite(offered) and offered > 0 else top
+    near = [(c, p) for (c, p), t in zip(ok, thr, strict=True)
+            if not math.isfinite(t) or not math.isfinite(top) or t >= top - options.tie_tolerance * scale]
+    # among throughput ties: the one furthest from the latency limits (when the objective sets any and the
+    # oracle predicts them; within latency_tolerance it is a tie too), then the larger A (the paper's rule)
+    use = [objective.latency_use(p) for _, p in near]
+    low = min((u for u in use if math.isfinite(u)), default=math.nan)
+    best = max(((c, p) for (c, p), u in zip(near, use, strict=True)
+                if not math.isfinite(low) or not math.isfinite(u) or u <= low * (1.0 + options.latency_tolerance)),
+               key=lambda cp: cp[0])
     return best[0], best[1], ""
 
 
