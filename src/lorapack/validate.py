@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DataError, LorapackError, ProfileError
+from .checks import check_limit, check_workers
+from .errors import DataError, LorapackError, ProfileError, SpecError
+from .guards import Limits, check, estimate_workload
 
 REQUIRED = ("run_id", "model", "n_adapters", "max_loras", "max_lora_rank", "rank_counts", "rate_counts",
             "status")
@@ -52,9 +54,14 @@ def parse_counts(text: str, kind: type = float) -> list:
 
 
 def read_runs(path: str | Path) -> list[dict]:
+    from .checks import input_file_problem
+
     path = Path(path)
-    if not path.is_file():
+    problem = input_file_problem(path)
+    if problem == "file not found":
         raise DataError(f"runs file not found: {path}")
+    if problem is not None:
+        raise DataError(f"runs file {path}: {problem}")
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in REQUIRED if c not in (reader.fieldnames or [])]
@@ -69,6 +76,8 @@ def build_workload(row: dict, seed: int, lengths: str = "lognormal", cv: float |
 
     ``cv``: post-filter CV of log-normal lengths (None = the spec default); a profile's fitted
     ``runs_lengths.cv`` is passed here by the validation."""
+    from pydantic import ValidationError
+
     from .spec import Adapter, LengthsSpec, PoissonArrivals, Workload
 
     n = int(float(row["n_adapters"]))
@@ -81,12 +90,18 @@ def build_workload(row: dict, seed: int, lengths: str = "lognormal", cv: float |
     rates = np.array(rates)[rng.permutation(n)]
     mi = _num(row, "mean_input_tokens", 223.0)
     mo = _num(row, "mean_output_tokens", 197.0)
-    adapters = [Adapter(adapter_id=f"adapter-{i}", rank=int(ranks[i]), rate_rps=float(rates[i]))
-                for i in range(n)]
     extra = {"cv": float(cv)} if cv is not None and lengths == "lognormal" else {}
-    return Workload(adapters=adapters, lengths=LengthsSpec(kind=lengths, mean_input_tokens=mi,
-                                                           mean_output_tokens=mo, **extra),
-                    arrivals=PoissonArrivals(), duration_s=_num(row, "window_s", 3600.0))
+    try:
+        adapters = [Adapter(adapter_id=f"adapter-{i}", rank=int(ranks[i]), rate_rps=float(rates[i]))
+                    for i in range(n)]
+        return Workload(adapters=adapters, lengths=LengthsSpec(kind=lengths, mean_input_tokens=mi,
+                                                               mean_output_tokens=mo, **extra),
+                        arrivals=PoissonArrivals(), duration_s=_num(row, "window_s", 3600.0))
+    except ValidationError as e:  # e.g. mean_input_tokens 1e12 or window_s -5 in the runs file
+        err = e.errors(include_url=False)[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise DataError(f"run {row.get('run_id')}: {where}: {err['msg'].removeprefix('Value error, ')} "
+                        f"(got {err.get('input')!r})") from None
 
 
 def _int_field(row: dict, key: str, where: str, minimum: int = 1) -> int:
@@ -116,14 +131,14 @@ def _check_row(row: dict, where: str) -> None:
                         f"to n_adapters={n}")
 
 
-def _simulate_row(row: dict, seed: int, lengths: str, gpu: str) -> dict:
+def _simulate_row(row: dict, seed: int, lengths: str, gpu: str, limits: Limits | None = None) -> dict:
     try:
-        return _simulate_row_inner(row, seed, lengths, gpu)
+        return _simulate_row_inner(row, seed, lengths, gpu, limits)
     except LorapackError as e:  # name the run: the error surfaces from a worker process
         raise DataError(f"run {row.get('run_id')}: {e}") from None
 
 
-def _simulate_row_inner(row: dict, seed: int, lengths: str, gpu: str) -> dict:
+def _simulate_row_inner(row: dict, seed: int, lengths: str, gpu: str, limits: Limits | None = None) -> dict:
     from .profile import find_profile
     from .twin.run import REAL_CLIENT_CAP, ServerFlags, simulate
 
@@ -134,7 +149,7 @@ def _simulate_row_inner(row: dict, seed: int, lengths: str, gpu: str) -> dict:
         max_cpu_loras=int(_num(row, "max_cpu_loras", float(row["n_adapters"]))),
         max_num_batched_tokens=int(_num(row, "max_num_batched_tokens", prof.max_num_batched_tokens)),
         max_num_seqs=int(_num(row, "max_num_seqs", prof.max_num_seqs)), client_cap=REAL_CLIENT_CAP)
-    out, _ = simulate(prof, wl, flags, wl.duration_s, seed)
+    out, _ = simulate(prof, wl, flags, wl.duration_s, seed, limits=limits)
     keep = ("oom", "error_type", "throughput_tok_s", "itl_mean_ms", "ttft_mean_ms", "starved",
             "throughput_ratio", "incoming_tok_s", "wall_s", "preemptions", "running_mean", "waiting_max")
     return {k: out.get(k) for k in keep}
@@ -155,16 +170,21 @@ def _mean(vals: list) -> float | None:
 
 
 def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb", lengths: str = "lognormal",
-                   workers: int = 0, limit: int | None = None, progress: bool = True) -> dict:
-    """Simulate every row (x seeds) and compare. Returns ``{"models": {...}, "rows": {column: list}}``."""
+                   workers: int = 0, limit: int | None = None, progress: bool = True,
+                   limits: Limits | None = None) -> dict:
+    """Simulate every row (x seeds) and compare. Returns ``{"models": {...}, "rows": {column: list},
+    "skipped": [{"run_id", "model", "reason"}]}``; each model's summary counts its skipped rows by reason
+    (``skip_reasons``). A file none of whose rows can be scored is a ``DataError``.
+
+    Every row is checked (``_check_row``) and costed (``guards``, ``limits``) before any simulation starts."""
     from .profile import available_profiles
 
     if seeds < 1:
-        raise LorapackError(f"--seeds {seeds}: expected an integer >= 1")
+        raise SpecError(f"--seeds {seeds}: expected an integer >= 1")
     if lengths not in ("fixed", "lognormal"):
-        raise LorapackError(f"--lengths {lengths}: expected fixed or lognormal")
-    if limit is not None and limit < 0:
-        raise LorapackError(f"--limit {limit}: expected an integer >= 0")
+        raise SpecError(f"--lengths {lengths}: expected fixed or lognormal")
+    check_limit(limit)
+    check_workers(workers)
     rows = read_runs(runs_path)
     if limit is not None:
         rows = rows[:limit]
@@ -177,10 +197,13 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
     have = {m for g, m, _ in avail if g == gpu}
     profiles = {m: find_profile(m, gpu) for m in have}
     results: dict[int, list[dict]] = {}
+    skipped: dict[int, str] = {}  # row -> why it is not scored (reported, never silent)
     todo = []
     for i, r in enumerate(rows):
         r["model"] = (r.get("model") or "").strip()
         if r["model"] not in have:
+            skipped[i] = (f"no profile for model '{r['model']}' on {gpu} (shipped: {', '.join(sorted(have))}); "
+                          f"calibrate one with lorapack calibrate")
             continue
         _check_row(r, f"{runs_path}: row {i + 1} (run {r.get('run_id')})")
         # the start-up rule needs no simulation; real oom rows are scored on it alone (they carry no rates)
@@ -190,12 +213,22 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
         elif r["status"].strip() == "oom":
             results[i] = [{"oom": False, "error_type": None}]
         elif (r.get("rate_counts") or "").strip() and (r.get("rank_counts") or "").strip():
+            wl = build_workload(r, 0, lengths)
+            try:
+                check(estimate_workload(wl, wl.duration_s or 3600.0), limits)
+            except LorapackError as e:
+                raise type(e)(f"{runs_path}: row {i + 1} (run {r.get('run_id')}): {e}") from None
             todo.extend((i, s) for s in range(seeds))
+        else:
+            skipped[i] = "an ok run without rank_counts/rate_counts cannot be rebuilt"
+    if rows and len(skipped) == len(rows):
+        reasons = sorted(set(skipped.values()))
+        raise DataError(f"{runs_path}: none of its {len(rows)} run(s) can be scored: {'; '.join(reasons)}")
 
     from joblib import Parallel, delayed
 
     n_jobs = workers if workers > 0 else -1
-    tasks = (delayed(_simulate_row)(rows[i], s, lengths, gpu) for i, s in todo)
+    tasks = (delayed(_simulate_row)(rows[i], s, lengths, gpu, limits) for i, s in todo)
     gen = Parallel(n_jobs=n_jobs, return_as="generator")(tasks)
     if progress and todo:
         from rich.progress import BarColumn, Progress, TimeRemainingColumn
@@ -218,9 +251,11 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
     models: dict[str, dict] = {}
     for i, r in enumerate(rows):
         m = r["model"]
-        st = models.setdefault(m, {"n_ok": 0, "n_oom": 0, "n_skipped": 0, "_rows": []})
+        st = models.setdefault(m, {"n_ok": 0, "n_oom": 0, "n_skipped": 0, "skip_reasons": {}, "_rows": []})
         if i not in results:
             st["n_skipped"] += 1
+            why = skipped.get(i, "not simulated")
+            st["skip_reasons"][why] = st["skip_reasons"].get(why, 0) + 1
             continue
         outs = results[i]
         pred_oom = outs[0]["oom"]
@@ -276,4 +311,6 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
             "oom_false_accept": int(sum(x["measured_oom"] and not x["predicted_oom"] for x in recs)),
             "oom_false_reject": int(sum(not x["measured_oom"] and x["predicted_oom"] for x in recs)),
         }
-    return {"models": summary, "rows": per_row}
+    return {"models": summary, "rows": per_row,
+            "skipped": [{"run_id": rows[i].get("run_id"), "model": rows[i]["model"], "reason": why}
+                        for i, why in sorted(skipped.items())]}

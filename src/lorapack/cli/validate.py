@@ -8,12 +8,17 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..errors import SpecError
 from .common import (
+    DEFAULT_GPU,
+    ForceOpt,
     GpuOpt,
     JsonOpt,
+    check_limit,
+    check_output_file,
+    check_workers,
     console,
     fmt,
+    limits,
     print_json,
     write_csv_atomic,
 )
@@ -22,24 +27,27 @@ from .common import (
 def validate(
     runs: Annotated[Path, typer.Argument(help="Real runs CSV (schema of shared/data/real-runs/*.csv).")],
     seeds: Annotated[int, typer.Option(help="Seeds per run; metrics are averaged.")] = 1,
-    gpu: GpuOpt = "h100-64gb",
+    gpu: GpuOpt = None,
     lengths: Annotated[str, typer.Option(help="Length law around the row's pool means: fixed|lognormal.")] = "lognormal",
     workers: Annotated[int, typer.Option(help="Parallel processes (0 = all cores).")] = 0,
     limit: Annotated[int | None, typer.Option(help="Only the first K rows (quick checks).")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Write per-run measured vs predicted CSV.")] = None,
+    force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Replay real benchmark runs through the twin and score it (SMAPE, starvation and OOM agreement)."""
     from ..validate import run_validation
 
-    if out is not None and not out.parent.exists():  # fail before the (long) validation, not after it
-        raise SpecError(f"cannot write {out}: directory {out.parent} does not exist")
-    report = run_validation(runs, seeds=seeds, gpu=gpu, lengths=lengths, workers=workers, limit=limit,
-                            progress=not json_out)
+    check_limit(limit)
+    check_workers(workers)
+    if out is not None:  # fail before the (long) validation, not after it
+        check_output_file(out, "--out")
+    report = run_validation(runs, seeds=seeds, gpu=gpu or DEFAULT_GPU, lengths=lengths, workers=workers,
+                            limit=limit, progress=not json_out, limits=limits(force))
     if out is not None:
         write_csv_atomic(out, report["rows"])
     if json_out:
-        print_json({"models": report["models"]})
+        print_json({"models": report["models"], "skipped": report["skipped"]})
         return
     t = Table(title=f"twin vs real runs: {runs.name} ({seeds} seed(s), {lengths} lengths)", title_justify="left")
     for c in ("model", "ok", "oom", "skipped", "SMAPE thr %", "SMAPE ITL %", "SMAPE TTFT %",
@@ -51,3 +59,6 @@ def validate(
                   fmt(s["starved_agreement_clear"], 3), fmt(s["oom_agreement"], 3))
     console.print(t)
     console.print("SMAPE without the factor 2 (0-100, twin.md §4.3); TTFT = completed-only mean.")
+    for m, s in report["models"].items():
+        for why, n in s.get("skip_reasons", {}).items():
+            console.print(f"skipped {n} run(s) of {m}: {why}", highlight=False)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..guards import Limits
 from .engine import Engine
 from .metrics import STARVATION_RATIO, compute_metrics
 from .steptime import C1, P1
@@ -83,11 +84,11 @@ def capacity_bound_tok_s(step_coef: np.ndarray) -> float:
     return 1000.0 / per_token_ms if per_token_ms > 0 else float("inf")
 
 
-def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOptions
-                        ) -> tuple[EngineResult, dict, Engine]:
+def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOptions,
+                        limits: Limits | None = None) -> tuple[EngineResult, dict, Engine]:
     """Simulate with early termination; returns the (possibly partial) result, the metrics with
     extrapolated run-level values, and the engine (for its final snapshot)."""
-    eng = Engine(cfg, req)
+    eng = Engine(cfg, req, limits=limits)
     T = float(cfg.duration_s)
     if cfg.client_cap > 0 or not (opts.certain or opts.likely or opts.healthy):
         eng.advance_to(T)
