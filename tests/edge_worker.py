@@ -50,7 +50,7 @@ def _api(req: dict) -> None:
         flags = ServerFlags(max_loras=req["max_loras"])
         if entry == "simulate_requests":
             m, _ = simulate_requests(prof, ranks, arrays, flags, req["duration_s"])
-            print(json.dumps({k: m.get(k) for k in ("n_arrived", "n_completed", "oom")}))
+            print(json.dumps({k: getattr(m, k) for k in ("n_arrived", "n_completed", "oom")}))
             return
         srv = resolve_server(prof, ranks, flags)
         cfg = engine_config(prof, ranks, srv, req["duration_s"])

@@ -338,7 +338,7 @@ def test_limits_refuse_then_force_runs() -> None:
     with pytest.raises(ResourceLimitError, match="engine steps"):
         simulate(prof, wl, ServerFlags(max_loras=8), 30.0, 0, limits=Limits(max_steps=10))
     out, _ = simulate(prof, wl, ServerFlags(max_loras=8), 30.0, 0, limits=Limits(max_requests=100, force=True))
-    assert out["n_generated"] > 50  # ran: the soft limit was lifted
+    assert out.n_generated > 50  # ran: the soft limit was lifted
 
 
 def test_generation_budget_stops_heavy_tails() -> None:

@@ -23,6 +23,7 @@ import numpy as np
 
 from .errors import SpecError
 from .profile import VLLM_LORA_RANKS, Profile
+from .twin.metrics import RunMetrics
 
 NAN = float("nan")
 
@@ -268,8 +269,8 @@ class TwinOracle(MemoryRuleOracle):
     def _predict_fitting(self, cands: Sequence[GpuCandidate], kv_tokens: Sequence[int]) -> list[Prediction]:
         return [self._one(c) for c in cands]
 
-    def simulate(self, cand: GpuCandidate, seed: int) -> dict:
-        """One twin run of ``cand`` (metrics dict of ``twin.run.simulate_requests``, with ``starved_adapter_indices``)."""
+    def simulate(self, cand: GpuCandidate, seed: int) -> RunMetrics:
+        """One twin run of ``cand`` (``twin.run.simulate_requests``)."""
         import time
 
         from .twin.early import EarlyStopOptions
@@ -290,25 +291,27 @@ class TwinOracle(MemoryRuleOracle):
     def _one(self, cand: GpuCandidate) -> Prediction:
         runs = [self.simulate(cand, s) for s in self.seeds]
         first = runs[0]
-        if first["oom"]:  # the start-up rule already passed; kept for safety
-            return refused(cand, first["kv_cache_tokens"], first["error_type"])
+        if first.oom:  # the start-up rule already passed; kept for safety
+            return refused(cand, first.kv_cache_tokens, first.error_type)
 
-        def mean(key: str, scale: float = 1.0) -> float:
-            xs = [float(r[key]) for r in runs if r.get(key) is not None and math.isfinite(float(r[key]))]
+        def mean(values: Sequence[float | None], scale: float = 1.0) -> float:
+            xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
             return float(np.mean(xs)) * scale if xs else NAN
 
         bad: set[int] = set()
         for r in runs:
-            bad.update(int(i) for i in r.get("starved_adapter_indices", ()))
+            bad.update(r.starved_adapter_indices)
         return Prediction(
-            fits=True, throughput_tok_s=mean("throughput_tok_s"), incoming_tok_s=mean("incoming_tok_s"),
-            starved=float(np.mean([bool(r["starved"]) for r in runs])), itl_ms=mean("itl_mean_ms"),
-            ttft_s=mean("ttft_mean_ms", 1e-3), kv_cache_tokens=int(first["kv_cache_tokens"]),
-            adapter_starved=float(np.mean([bool(r.get("adapter_starved")) for r in runs])),
-            starved_adapters=tuple(sorted(bad)), ttft_p99_s=mean("ttft_p99_ms", 1e-3),
-            itl_p99_ms=mean("itl_p99_ms"), seeds=len(runs),
-            extra={"stop_reasons": [r.get("stop_reason") for r in runs],
-                   "ttft_penalised_s": mean("ttft_penalised_mean_ms", 1e-3)})
+            fits=True, throughput_tok_s=mean([r.throughput_tok_s for r in runs]),
+            incoming_tok_s=mean([r.incoming_tok_s for r in runs]),
+            starved=float(np.mean([bool(r.starved) for r in runs])), itl_ms=mean([r.itl_mean_ms for r in runs]),
+            ttft_s=mean([r.ttft_mean_ms for r in runs], 1e-3), kv_cache_tokens=int(first.kv_cache_tokens),
+            adapter_starved=float(np.mean([bool(r.adapter_starved) for r in runs])),
+            starved_adapters=tuple(sorted(bad)), ttft_p99_s=mean([r.ttft_p99_ms for r in runs], 1e-3),
+            # NaN until the twin reports an ITL p99
+            itl_p99_ms=mean([getattr(r, "itl_p99_ms", None) for r in runs]), seeds=len(runs),
+            extra={"stop_reasons": [r.stop_reason for r in runs],
+                   "ttft_penalised_s": mean([r.ttft_penalised_mean_ms for r in runs], 1e-3)})
 
 
 def candidate_workload(cand: GpuCandidate, duration_s: float):

@@ -17,6 +17,7 @@ import numpy as np
 from .checks import check_limit, check_workers
 from .errors import DataError, LorapackError, ProfileError, SpecError
 from .guards import Limits, check, estimate_workload
+from .twin.metrics import RunMetrics
 
 REQUIRED = ("run_id", "model", "n_adapters", "max_loras", "max_lora_rank", "rank_counts", "rate_counts",
             "status")
@@ -131,14 +132,15 @@ def _check_row(row: dict, where: str) -> None:
                         f"to n_adapters={n}")
 
 
-def _simulate_row(row: dict, seed: int, lengths: str, gpu: str, limits: Limits | None = None) -> dict:
+def _simulate_row(row: dict, seed: int, lengths: str, gpu: str, limits: Limits | None = None) -> RunMetrics:
     try:
         return _simulate_row_inner(row, seed, lengths, gpu, limits)
     except LorapackError as e:  # name the run: the error surfaces from a worker process
         raise DataError(f"run {row.get('run_id')}: {e}") from None
 
 
-def _simulate_row_inner(row: dict, seed: int, lengths: str, gpu: str, limits: Limits | None = None) -> dict:
+def _simulate_row_inner(row: dict, seed: int, lengths: str, gpu: str, limits: Limits | None = None
+                        ) -> RunMetrics:
     from .profile import find_profile
     from .twin.run import REAL_CLIENT_CAP, ServerFlags, simulate
 
@@ -150,9 +152,7 @@ def _simulate_row_inner(row: dict, seed: int, lengths: str, gpu: str, limits: Li
         max_num_batched_tokens=int(_num(row, "max_num_batched_tokens", prof.max_num_batched_tokens)),
         max_num_seqs=int(_num(row, "max_num_seqs", prof.max_num_seqs)), client_cap=REAL_CLIENT_CAP)
     out, _ = simulate(prof, wl, flags, wl.duration_s, seed, limits=limits)
-    keep = ("oom", "error_type", "throughput_tok_s", "itl_mean_ms", "ttft_mean_ms", "starved",
-            "throughput_ratio", "incoming_tok_s", "wall_s", "preemptions", "running_mean", "waiting_max")
-    return {k: out.get(k) for k in keep}
+    return out
 
 
 def smape(y: np.ndarray, yhat: np.ndarray, factor: float = 1.0) -> float:
@@ -196,7 +196,7 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
                            f"{', '.join(sorted({g for g, _, _ in avail})) or 'none'}")
     have = {m for g, m, _ in avail if g == gpu}
     profiles = {m: find_profile(m, gpu) for m in have}
-    results: dict[int, list[dict]] = {}
+    results: dict[int, list[RunMetrics]] = {}
     skipped: dict[int, str] = {}  # row -> why it is not scored (reported, never silent)
     todo = []
     for i, r in enumerate(rows):
@@ -209,9 +209,9 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
         # the start-up rule needs no simulation; real oom rows are scored on it alone (they carry no rates)
         starts, _kv, err = profiles[r["model"]].startup(int(float(r["max_loras"])), int(float(r["max_lora_rank"])))
         if not starts:
-            results[i] = [{"oom": True, "error_type": err}]
+            results[i] = [RunMetrics(oom=True, error_type=err)]
         elif r["status"].strip() == "oom":
-            results[i] = [{"oom": False, "error_type": None}]
+            results[i] = [RunMetrics(oom=False)]
         elif (r.get("rate_counts") or "").strip() and (r.get("rank_counts") or "").strip():
             wl = build_workload(r, 0, lengths)
             try:
@@ -258,18 +258,18 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
             st["skip_reasons"][why] = st["skip_reasons"].get(why, 0) + 1
             continue
         outs = results[i]
-        pred_oom = outs[0]["oom"]
+        pred_oom = outs[0].oom
         real_oom = r["status"].strip() == "oom"
         st["n_oom" if real_oom else "n_ok"] += 1
         if pred_oom or real_oom:  # real oom rows were not simulated (start-up rule only)
             thr = itl = ttft = ratio = float("nan")
             starved = None
         else:
-            thr = _mean([o["throughput_tok_s"] for o in outs])
-            itl = _mean([o["itl_mean_ms"] for o in outs])
-            ttft = _mean([o["ttft_mean_ms"] for o in outs])
-            ratio = _mean([o["throughput_ratio"] for o in outs])
-            starved = bool(np.mean([bool(o["starved"]) for o in outs]) >= 0.5)
+            thr = _mean([o.throughput_tok_s for o in outs])
+            itl = _mean([o.itl_mean_ms for o in outs])
+            ttft = _mean([o.ttft_mean_ms for o in outs])
+            ratio = _mean([o.throughput_ratio for o in outs])
+            starved = bool(np.mean([bool(o.starved) for o in outs]) >= 0.5)
         real_starved = _num(r, "starved")
         rec = {"run_id": r["run_id"], "model": m, "status": r["status"], "measured_oom": real_oom,
                "predicted_oom": pred_oom, "measured_throughput_tok_s": _num(r, "throughput_tok_s"),

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..profile import Profile, RunsLengths
+from ..twin.metrics import RunMetrics
 from ..validate import NOISY_RATIO, _num, build_workload, smape
 
 # The free constants the refinement may move: profile field, prior sd (the regularisation scale), bounds.
@@ -93,7 +94,7 @@ def with_values(profile: Profile, values: dict[str, float]) -> Profile:
 
 
 def simulate_run(profile: Profile, row: dict, seed: int = 0, lengths: str = "lognormal", cv: float | None = None,
-                 client_cap: int | None = None) -> dict:
+                 client_cap: int | None = None) -> RunMetrics:
     """Rebuild one real run (as ``lorapack validate`` does) and simulate it with ``profile``.
 
     ``cv`` overrides the profile's fitted length CV (``profile.runs_lengths``)."""
@@ -111,9 +112,7 @@ def simulate_run(profile: Profile, row: dict, seed: int = 0, lengths: str = "log
         max_num_seqs=int(_num(row, "max_num_seqs", profile.max_num_seqs)),
         client_cap=REAL_CLIENT_CAP if client_cap is None else int(client_cap))
     out, _ = simulate(profile, wl, flags, wl.duration_s, seed)
-    keep = ("oom", "throughput_tok_s", "itl_mean_ms", "ttft_mean_ms", "starved", "throughput_ratio",
-            "running_mean", "waiting_max", "preemptions", "adapter_loads", "wall_s")
-    return {k: out.get(k) for k in keep}
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -202,15 +201,20 @@ class Evaluator:
         pool = self._pool or Parallel(n_jobs=self.n_jobs)
         outs = pool(delayed(simulate_run)(candidates[c][self.rows[i]["model"]], self.rows[i], s, self.lengths,
                                           self.cv) for c, i, s in todo)
-        by_row: dict[tuple[int, int], list[dict]] = {}
+        by_row: dict[tuple[int, int], list[RunMetrics]] = {}
         for (c, i, _s), o in zip(todo, outs, strict=True):
             by_row.setdefault((c, i), []).append(o)
         for (c, i), os_ in by_row.items():
-            starved = [bool(o["starved"]) for o in os_]
-            preds[c][i] = {"oom": False, **{k: _mean([o[k] for o in os_]) for k in (
-                "throughput_tok_s", "itl_mean_ms", "ttft_mean_ms", "throughput_ratio", "running_mean",
-                "waiting_max", "preemptions", "adapter_loads", "wall_s")},
-                "starved": bool(np.mean(starved) >= 0.5)}
+            starved = [bool(o.starved) for o in os_]
+            preds[c][i] = {"oom": False, "throughput_tok_s": _mean([o.throughput_tok_s for o in os_]),
+                           "itl_mean_ms": _mean([o.itl_mean_ms for o in os_]),
+                           "ttft_mean_ms": _mean([o.ttft_mean_ms for o in os_]),
+                           "throughput_ratio": _mean([o.throughput_ratio for o in os_]),
+                           "running_mean": _mean([o.running_reqs_mean for o in os_]),
+                           "waiting_max": _mean([o.waiting_reqs_max for o in os_]),
+                           "preemptions": _mean([o.n_preemptions for o in os_]),
+                           "adapter_loads": _mean([o.n_adapter_loads for o in os_]),
+                           "wall_s": _mean([o.wall_s for o in os_]), "starved": bool(np.mean(starved) >= 0.5)}
         self.n_evals += len(candidates)
         self.n_sims += len(todo)
         self.wall_s += time.perf_counter() - t0

@@ -41,7 +41,7 @@ def demo(
     wall = time.perf_counter() - t0
     if json_out:
         print_json({"workload": str(path), "model": model, "compile_s": compile_s, "wall_s": wall,
-                    "results": results})
+                    "results": [r.to_dict() for r in results]})
         return
     rates = wl.rates_rps
     console.print(f"[bold]lorapack demo[/bold]: {wl.n_adapters} adapters (ranks {sorted(set(wl.ranks.tolist()))}, "
@@ -52,22 +52,22 @@ def demo(
               "ITL ms", "TTFT ms", "loads"):
         t.add_column(c, justify="right", overflow="fold")
     for r in results:
-        srv = r["server"]
-        if r["oom"]:
-            t.add_row(str(srv["max_loras"]), "[red]no[/red]", fmt(r["kv_cache_tokens"]), *["-"] * 8)
+        srv = r.server
+        if r.oom:
+            t.add_row(str(srv.max_loras), "[red]no[/red]", fmt(r.kv_cache_tokens), *["-"] * 8)
             continue
-        t.add_row(str(srv["max_loras"]), "yes", fmt(r["kv_cache_tokens"]), fmt(r["throughput_tok_s"]),
-                  fmt(r["incoming_tok_s"]), fmt(r["throughput_ratio"], 3),
-                  "[red]yes[/red]" if r["starved"] else "[green]no[/green]", fmt(r["adapters_starved"]),
-                  fmt(r["itl_mean_ms"]), fmt(r["ttft_mean_ms"], 0), fmt(r["adapter_loads"]))
+        t.add_row(str(srv.max_loras), "yes", fmt(r.kv_cache_tokens), fmt(r.throughput_tok_s),
+                  fmt(r.incoming_tok_s), fmt(r.throughput_ratio, 3),
+                  "[red]yes[/red]" if r.starved else "[green]no[/green]", fmt(r.n_adapters_starved),
+                  fmt(r.itl_mean_ms), fmt(r.ttft_mean_ms, 0), fmt(r.n_adapter_loads))
     console.print(t)
-    ok = [r for r in results if not r["oom"] and not r["starved"] and not r["adapter_starved"]]
+    ok = [r for r in results if not r.oom and not r.starved and not r.adapter_starved]
     if ok:
-        best = min(ok, key=lambda r: r["ttft_mean_ms"])
+        best = min(ok, key=lambda r: r.ttft_mean_ms)
         console.print("Safe = server starts, throughput >= 0.9 x incoming, and no adapter starved "
                       "(each adapter >= 90 % of its tokens served, none waiting > 5 min).")
-        console.print(f"Smallest safe --max-loras: [bold]{ok[0]['server']['max_loras']}[/bold]; lowest TTFT at "
-                      f"--max-loras {best['server']['max_loras']}. "
+        console.print(f"Smallest safe --max-loras: [bold]{ok[0].server.max_loras}[/bold]; lowest TTFT at "
+                      f"--max-loras {best.server.max_loras}. "
                       f"({len(results)} simulated hours in {wall:.2f} s; one-off compile {compile_s:.1f} s.)")
     else:
         console.print("[red]No --max-loras value serves this workload on one GPU without starvation.[/red]")

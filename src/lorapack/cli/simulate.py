@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from ..errors import SpecError
+from ..twin.metrics import RunMetrics
 from .common import (
     ForceOpt,
     GpuOpt,
@@ -25,36 +26,35 @@ from .common import (
 )
 
 
-def _render_sim(out: dict, title: str) -> None:
+def _render_sim(out: RunMetrics, title: str) -> None:
     t = Table(title=title, show_header=False, title_justify="left")
     t.add_column("metric", style="bold")
     t.add_column("value", justify="right")
-    if out["oom"]:
-        t.add_row("server starts", f"[red]no[/red] ({out['error_type']}, KV {out['kv_cache_tokens']:,} tokens)")
+    if out.oom:
+        t.add_row("server starts", f"[red]no[/red] ({out.error_type}, KV {out.kv_cache_tokens:,} tokens)")
         console.print(t)
         return
     rows = [
-        ("throughput (tok/s)", fmt(out["throughput_tok_s"])),
-        ("incoming (tok/s)", fmt(out["incoming_tok_s"])),
-        ("throughput / incoming", fmt(out["throughput_ratio"], 3)),
-        ("starved", "[red]yes[/red]" if out["starved"] else "[green]no[/green]"),
-        ("ITL mean (ms)", fmt(out["itl_mean_ms"])),
+        ("throughput (tok/s)", fmt(out.throughput_tok_s)),
+        ("incoming (tok/s)", fmt(out.incoming_tok_s)),
+        ("throughput / incoming", fmt(out.throughput_ratio, 3)),
+        ("starved", "[red]yes[/red]" if out.starved else "[green]no[/green]"),
+        ("ITL mean (ms)", fmt(out.itl_mean_ms)),
         ("TTFT mean / median / p99 (ms)",
-         f"{fmt(out['ttft_mean_ms'])} / {fmt(out['ttft_median_ms'])} / {fmt(out['ttft_p99_ms'])}"),
-        ("TTFT penalised mean (ms)", fmt(out["ttft_penalised_mean_ms"])),
-        ("requests arrived / completed", f"{out['n_arrived']:,} / {out['n_completed']:,}"),
-        ("preemptions", fmt(out["preemptions"])),
-        ("adapter loads", fmt(out["adapter_loads"])),
-        ("adapters starved (per-adapter check)", fmt(out["adapters_starved"])),
-        ("KV cache (tokens)", fmt(out["kv_cache_tokens"])),
-        ("running mean / max", f"{fmt(out['running_mean'])} / {fmt(out['running_max'], 0)}"),
-        ("waiting mean / max", f"{fmt(out['waiting_mean'])} / {fmt(out['waiting_max'], 0)}"),
-        ("wall time (s)", fmt(out.get("wall_s"), 3)),
+         f"{fmt(out.ttft_mean_ms)} / {fmt(out.ttft_median_ms)} / {fmt(out.ttft_p99_ms)}"),
+        ("TTFT penalised mean (ms)", fmt(out.ttft_penalised_mean_ms)),
+        ("requests arrived / completed", f"{out.n_arrived:,} / {out.n_completed:,}"),
+        ("preemptions", fmt(out.n_preemptions)),
+        ("adapter loads", fmt(out.n_adapter_loads)),
+        ("adapters starved (per-adapter check)", fmt(out.n_adapters_starved)),
+        ("KV cache (tokens)", fmt(out.kv_cache_tokens)),
+        ("running mean / max", f"{fmt(out.running_reqs_mean)} / {fmt(out.running_reqs_max, 0)}"),
+        ("waiting mean / max", f"{fmt(out.waiting_reqs_mean)} / {fmt(out.waiting_reqs_max, 0)}"),
+        ("wall time (s)", fmt(out.wall_s, 3)),
     ]
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
-
 
 
 def simulate(
@@ -118,16 +118,15 @@ def simulate(
 
     out, res = run_sim(prof, wl, flags, duration_s, seed, EarlyStopOptions() if early_stop else None,
                        limits(force))
-    out["compile_s"] = compile_s
     if timeline is not None:
         if res is None:
-            raise SpecError(f"--timeline {timeline}: no timeline, the server would not start ({out['error_type']})")
+            raise SpecError(f"--timeline {timeline}: no timeline, the server would not start ({out.error_type})")
         # gauges that count things are integers (as in vLLM's /metrics), the rest stay floats
         write_csv_atomic(timeline, {k: ([int(x) for x in v] if k.startswith("num_") else v)
                                     for k, v in res.timeline.items()})
     if json_out:
-        print_json(out)
+        print_json({**out.to_dict(), "compile_s": compile_s})
     else:
-        srv = out["server"]
-        _render_sim(out, f"{prof.model} on {prof.gpu}: {wl.n_adapters} adapters, A={srv['max_loras']}, "
-                         f"S={srv['max_lora_rank']}, {out['duration_s']:g} s, seed {seed}")
+        srv = out.server
+        _render_sim(out, f"{prof.model} on {prof.gpu}: {wl.n_adapters} adapters, A={srv.max_loras}, "
+                         f"S={srv.max_lora_rank}, {out.duration_s:g} s, seed {seed}")

@@ -217,22 +217,23 @@ def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts, li
     opts = _early_stop_options(shortcuts)
     m, _ = simulate_requests(profile, ranks, req, flags, cfg.duration_s, early_stop=opts, limits=limits)
     row = features(cfg, profile)
-    if m["oom"]:  # the caller checks the start-up rule first; kept for safety
+    if m.oom:  # the caller checks the start-up rule first; kept for safety
         row.update(_empty_metrics())
-        row.update({"oom": True, "starved": None, "throughput_tok_s": 0.0, "error_type": m["error_type"],
-                    "kv_cache_tokens": m["kv_cache_tokens"], "obtained": OBTAINED_OOM, "stop_reason": None,
+        row.update({"oom": True, "starved": None, "throughput_tok_s": 0.0, "error_type": m.error_type,
+                    "kv_cache_tokens": m.kv_cache_tokens, "obtained": OBTAINED_OOM, "stop_reason": None,
                     "simulated_s": 0.0})
         return _provenance(row, profile, time.perf_counter() - t0)
+    columns = m.to_dict()  # the Parquet columns are the metrics' JSON keys
     for k in METRIC_KEYS_FLOAT:
-        row[k] = _num(m.get(k), float)
+        row[k] = _num(columns[k], float)
     for k in METRIC_KEYS_INT:
-        row[k] = _num(m.get(k), int)
-    reason = m.get("stop_reason") or "full"
+        row[k] = _num(columns[k], int)
+    reason = m.stop_reason or "full"
     row.update({
-        "oom": False, "error_type": None, "kv_cache_tokens": int(m["kv_cache_tokens"]),
-        "starved": bool(m["starved"]), "adapter_starved": bool(m.get("adapter_starved", False)),
+        "oom": False, "error_type": None, "kv_cache_tokens": int(m.kv_cache_tokens),
+        "starved": bool(m.starved), "adapter_starved": bool(m.adapter_starved),
         "obtained": OBTAINED_FULL if reason == "full" else f"early_{reason}", "stop_reason": reason,
-        "simulated_s": float(m.get("simulated_s", cfg.duration_s)),
+        "simulated_s": float(m.simulated_s),
     })
     return _provenance(row, profile, time.perf_counter() - t0)
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..guards import Limits
 from .engine import Engine
-from .metrics import STARVATION_RATIO, compute_metrics
+from .metrics import STARVATION_RATIO, RunMetrics, compute_metrics
 from .steptime import C1, P1
 from .types import EngineConfig, EngineResult, RequestArrays
 
@@ -84,8 +84,13 @@ def capacity_bound_tok_s(step_coef: np.ndarray) -> float:
     return 1000.0 / per_token_ms if per_token_ms > 0 else float("inf")
 
 
+def _full_run_metrics(res: EngineResult, req: RequestArrays, cfg: EngineConfig) -> RunMetrics:
+    T = float(cfg.duration_s)
+    return compute_metrics(res, req, T, cfg.n_adapters).replace(stop_reason=STOP_FULL, simulated_s=T)
+
+
 def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOptions,
-                        limits: Limits | None = None) -> tuple[EngineResult, dict, Engine]:
+                        limits: Limits | None = None) -> tuple[EngineResult, RunMetrics, Engine]:
     """Simulate with early termination; returns the (possibly partial) result, the metrics with
     extrapolated run-level values, and the engine (for its final snapshot)."""
     eng = Engine(cfg, req, limits=limits)
@@ -93,9 +98,7 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
     if cfg.client_cap > 0 or not (opts.certain or opts.likely or opts.healthy):
         eng.advance_to(T)
         res = eng.result()
-        out = compute_metrics(res, req, T, cfg.n_adapters)
-        out.update(stop_reason=STOP_FULL, simulated_s=T)
-        return res, out, eng
+        return res, _full_run_metrics(res, req, cfg), eng
 
     tok = req.prompt_tokens.astype(np.int64) + req.output_tokens
     in_window = req.t_arr_s < T
@@ -155,9 +158,7 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
     res = eng.result()
     t_stop = min(eng.t_s, T)
     if reason == STOP_FULL:
-        out = compute_metrics(res, req, T, cfg.n_adapters)
-        out.update(stop_reason=STOP_FULL, simulated_s=T)
-        return res, out, eng
+        return res, _full_run_metrics(res, req, cfg), eng
 
     snap = eng.snapshot()
     out = compute_metrics(res, req, t_stop, cfg.n_adapters)  # latency metrics from what was simulated
@@ -167,11 +168,11 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
     n_done = int(min(round(snap["n_completed"] + (done_tok - snap["completed_tokens"]) / per_req), n_sent_total))
     throughput = done_tok / T
     incoming = total_tok / T
-    ttft = out["ttft_mean_ms"]
+    ttft = out.ttft_mean_ms
     pen = ((ttft if np.isfinite(ttft) else 0.0) * n_done + (n_sent_total - n_done) * T * 1000.0) / n_sent_total \
         if n_sent_total else float("nan")
     frac_in = float(req.prompt_tokens[in_window].sum()) / total_tok if total_tok else 0.5
-    out.update(
+    out = out.replace(
         throughput_tok_s=throughput, input_tok_s=throughput * frac_in, output_tok_s=throughput * (1 - frac_in),
         incoming_tok_s=incoming, throughput_ratio=throughput / incoming if incoming else float("nan"),
         starved=bool(throughput < STARVATION_RATIO * incoming), ttft_penalised_mean_ms=pen,

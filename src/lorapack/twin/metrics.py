@@ -11,11 +11,118 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from .types import EngineResult, RequestArrays
 
 STARVATION_RATIO = 0.9
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The vLLM flags a run used, after defaults were applied (``twin.run.resolve_server``)."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """Everything one twin run reports (twin.md §4). ``to_dict()`` gives the ``simulate --json`` keys.
+
+    Metrics of a run whose server does not start (``oom``) are NaN, counts 0 and labels ``None``. Fields
+    that only the high-level API knows (``server``, ``wall_s``, ``duration_s``, ``seed``, ``model``,
+    ``gpu``) are ``None`` where it did not set them.
+    """
+
+    # the server's start-up (vLLM's memory rule)
+    oom: bool = False  # vLLM would not start with these flags
+    error_type: str | None = None
+    kv_cache_tokens: int = 0
+    # rates and ratios of the window
+    throughput_tok_s: float = NAN  # completed input + output tokens per second
+    input_tok_s: float = NAN
+    output_tok_s: float = NAN
+    incoming_tok_s: float = NAN  # tokens of the sent requests per second
+    throughput_ratio: float = NAN
+    starved: bool | None = None  # throughput < 0.9 x incoming
+    # latencies of the completed requests
+    itl_mean_ms: float = NAN  # token-weighted mean gap
+    tpot_mean_ms: float = NAN  # mean of per-request mean gaps
+    ttft_mean_ms: float = NAN
+    ttft_median_ms: float = NAN
+    ttft_p99_ms: float = NAN
+    ttft_penalised_mean_ms: float = NAN  # unfinished requests count the whole window
+    # counts
+    n_arrived: int = 0  # sent in the window
+    n_completed: int = 0
+    n_generated: int = 0  # arrivals generated (sent or not)
+    n_preemptions: int = 0
+    n_adapter_loads: int = 0  # CPU -> GPU activations
+    n_adapter_disk_loads: int = 0
+    n_steps: int = 0
+    # engine time accounting
+    busy_frac: float = NAN  # share of the window spent in steps
+    sched_s: float = NAN
+    load_s: float = NAN
+    # timeline statistics (2 s samples)
+    running_reqs_mean: float = NAN
+    running_reqs_max: float = NAN
+    waiting_reqs_mean: float = NAN
+    waiting_reqs_max: float = NAN
+    kv_usage_mean_frac: float = NAN
+    # per-adapter starvation (twin.md §4.2 extension)
+    n_adapters_starved: int = 0
+    adapter_starved: bool | None = None
+    starved_adapter_indices: tuple[int, ...] = ()  # registration order
+    adapter_min_token_ratio: float = NAN
+    adapter_max_wait_s: float = NAN
+    # how the run ended, with which flags
+    stop_reason: str | None = None  # "full" or an early-stop reason (twin.early)
+    simulated_s: float = NAN  # simulated window (< duration_s after an early stop)
+    server: ServerSettings | None = None
+    # set by ``twin.run.simulate``
+    wall_s: float | None = None
+    duration_s: float | None = None
+    seed: int | None = None
+    model: str | None = None
+    gpu: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The metrics under their JSON / Parquet keys (a contract: keys are added, never renamed)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "server":
+                v = None if v is None else v.to_dict()
+            elif f.name == "starved_adapter_indices":
+                v = list(v)
+            out[_KEYS.get(f.name, f.name)] = v
+        return out
+
+    def replace(self, **changes: Any) -> RunMetrics:
+        return dataclasses.replace(self, **changes)
+
+
+# fields whose JSON / Parquet key predates the typed result (the keys are a contract)
+_KEYS = {
+    "n_preemptions": "preemptions", "n_adapter_loads": "adapter_loads",
+    "n_adapter_disk_loads": "adapter_disk_loads", "n_steps": "steps", "running_reqs_mean": "running_mean",
+    "running_reqs_max": "running_max", "waiting_reqs_mean": "waiting_mean", "waiting_reqs_max": "waiting_max",
+    "kv_usage_mean_frac": "kv_usage_mean", "n_adapters_starved": "adapters_starved",
+}
 
 
 def _stat(x: np.ndarray, fn) -> float:
@@ -23,7 +130,7 @@ def _stat(x: np.ndarray, fn) -> float:
 
 
 def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_adapters: int,
-                    adapter_min_requests: int = 20, adapter_max_wait_s: float = 300.0) -> dict:
+                    adapter_min_requests: int = 20, adapter_max_wait_s: float = 300.0) -> RunMetrics:
     """Run-level metrics plus per-adapter starvation (twin.md §4.2 extension)."""
     p = req.prompt_tokens.astype(np.int64)
     o = req.output_tokens.astype(np.int64)
@@ -71,38 +178,39 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     bad = ((ratio < STARVATION_RATIO) & (sent_n >= adapter_min_requests)) | (oldest > adapter_max_wait_s)
 
     tl = res.timeline
-    return {
-        "throughput_tok_s": throughput,
-        "input_tok_s": input_tok_s,
-        "output_tok_s": output_tok_s,
-        "incoming_tok_s": incoming,
-        "throughput_ratio": throughput / incoming if incoming > 0 else float("nan"),
-        "starved": bool(throughput < STARVATION_RATIO * incoming),
-        "itl_mean_ms": itl,
-        "tpot_mean_ms": tpot,
-        "ttft_mean_ms": ttft_mean,
-        "ttft_median_ms": _stat(ttft_ms, np.median),
-        "ttft_p99_ms": _stat(ttft_ms, lambda x: np.percentile(x, 99)),
-        "ttft_penalised_mean_ms": ttft_pen,
-        "n_arrived": n_sent,
-        "n_completed": n_done,
-        "n_generated": len(req),
-        "preemptions": res.n_preemptions,
-        "adapter_loads": res.n_gpu_loads,
-        "adapter_disk_loads": res.n_disk_loads,
-        "steps": res.n_steps,
-        "busy_frac": res.busy_s / duration_s,
-        "sched_s": res.sched_s,
-        "load_s": res.load_s,
-        "running_mean": _stat(tl.get("num_requests_running", np.zeros(0)), np.mean),
-        "running_max": _stat(tl.get("num_requests_running", np.zeros(0)), np.max),
-        "waiting_mean": _stat(tl.get("num_requests_waiting", np.zeros(0)), np.mean),
-        "waiting_max": _stat(tl.get("num_requests_waiting", np.zeros(0)), np.max),
-        "kv_usage_mean": _stat(tl.get("kv_cache_usage_perc", np.zeros(0)), np.mean),
-        "adapters_starved": int(bad.sum()),
-        "adapter_starved": bool(bad.any()),
-        "starved_adapter_indices": [int(i) for i in np.flatnonzero(bad)],  # registration order
-        "adapter_min_token_ratio": float(ratio[sent_n >= adapter_min_requests].min())
-        if (sent_n >= adapter_min_requests).any() else float("nan"),
-        "adapter_max_wait_s": float(oldest.max()) if n_adapters else 0.0,
-    }
+    no_samples = np.zeros(0)
+    qualifies = sent_n >= adapter_min_requests
+    return RunMetrics(
+        throughput_tok_s=throughput,
+        input_tok_s=input_tok_s,
+        output_tok_s=output_tok_s,
+        incoming_tok_s=incoming,
+        throughput_ratio=throughput / incoming if incoming > 0 else NAN,
+        starved=bool(throughput < STARVATION_RATIO * incoming),
+        itl_mean_ms=itl,
+        tpot_mean_ms=tpot,
+        ttft_mean_ms=ttft_mean,
+        ttft_median_ms=_stat(ttft_ms, np.median),
+        ttft_p99_ms=_stat(ttft_ms, lambda x: np.percentile(x, 99)),
+        ttft_penalised_mean_ms=ttft_pen,
+        n_arrived=n_sent,
+        n_completed=n_done,
+        n_generated=len(req),
+        n_preemptions=res.n_preemptions,
+        n_adapter_loads=res.n_gpu_loads,
+        n_adapter_disk_loads=res.n_disk_loads,
+        n_steps=res.n_steps,
+        busy_frac=res.busy_s / duration_s,
+        sched_s=res.sched_s,
+        load_s=res.load_s,
+        running_reqs_mean=_stat(tl.get("num_requests_running", no_samples), np.mean),
+        running_reqs_max=_stat(tl.get("num_requests_running", no_samples), np.max),
+        waiting_reqs_mean=_stat(tl.get("num_requests_waiting", no_samples), np.mean),
+        waiting_reqs_max=_stat(tl.get("num_requests_waiting", no_samples), np.max),
+        kv_usage_mean_frac=_stat(tl.get("kv_cache_usage_perc", no_samples), np.mean),
+        n_adapters_starved=int(bad.sum()),
+        adapter_starved=bool(bad.any()),
+        starved_adapter_indices=tuple(int(i) for i in np.flatnonzero(bad)),
+        adapter_min_token_ratio=float(ratio[qualifies].min()) if qualifies.any() else NAN,
+        adapter_max_wait_s=float(oldest.max()) if n_adapters else 0.0,
+    )

@@ -1,4 +1,4 @@
-"""High-level twin API: profile + server flags + workload + seed -> metrics.
+"""High-level twin API: profile + server flags + workload + seed -> ``RunMetrics``.
 
 ``simulate`` is a pure function of its inputs (the seed included), so runs can be spread over processes.
 """
@@ -16,7 +16,7 @@ from ..guards import Limits, check, estimate_workload
 from ..profile import Profile
 from .early import EarlyStopOptions, run_with_early_stop
 from .engine import simulate_fast
-from .metrics import compute_metrics
+from .metrics import RunMetrics, ServerSettings, compute_metrics
 from .steptime import StepModel
 from .types import INT32_MAX, INT64_SAFE, EngineConfig, EngineResult, RequestArrays
 
@@ -148,20 +148,22 @@ def engine_config(profile: Profile, ranks: np.ndarray, srv: ResolvedServer, dura
         warm_gpu=warm_start, warm_cpu=True, client_cap=client_cap)
 
 
-def oom_metrics(srv: ResolvedServer, n_generated: int) -> dict:
-    nan = float("nan")
-    return {
-        "oom": True, "error_type": srv.error_type, "kv_cache_tokens": srv.kv_cache_tokens,
-        "throughput_tok_s": 0.0, "input_tok_s": 0.0, "output_tok_s": 0.0, "incoming_tok_s": nan,
-        "throughput_ratio": nan, "starved": None, "itl_mean_ms": nan, "tpot_mean_ms": nan,
-        "ttft_mean_ms": nan, "ttft_median_ms": nan, "ttft_p99_ms": nan, "ttft_penalised_mean_ms": nan,
-        "n_arrived": n_generated, "n_completed": 0, "n_generated": n_generated,
-    }
+def oom_metrics(srv: ResolvedServer, n_generated: int) -> RunMetrics:
+    """The result of a run whose server does not start: nothing served, every arrival counted as sent."""
+    return RunMetrics(oom=True, error_type=srv.error_type, kv_cache_tokens=srv.kv_cache_tokens,
+                      throughput_tok_s=0.0, input_tok_s=0.0, output_tok_s=0.0, n_arrived=n_generated,
+                      n_completed=0, n_generated=n_generated)
+
+
+def server_settings(srv: ResolvedServer) -> ServerSettings:
+    return ServerSettings(max_loras=srv.max_loras, max_lora_rank=srv.max_lora_rank,
+                          max_cpu_loras=srv.max_cpu_loras, max_num_batched_tokens=srv.max_num_batched_tokens,
+                          max_num_seqs=srv.max_num_seqs, max_model_len=srv.max_model_len)
 
 
 def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, flags: ServerFlags,
                       duration_s: float = DEFAULT_DURATION_S, early_stop: EarlyStopOptions | None = None,
-                      limits: Limits | None = None) -> tuple[dict, EngineResult | None]:
+                      limits: Limits | None = None) -> tuple[RunMetrics, EngineResult | None]:
     """Run the twin on given arrivals. Returns ``(metrics, engine_result)``; the result is None on OOM.
 
     With ``early_stop`` the run may end before ``duration_s`` (``stop_reason``, ``simulated_s`` say so) and
@@ -178,30 +180,24 @@ def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, f
         raise SpecError(f"flags: expected ServerFlags, got {type(flags).__name__}")
     req.check(len(ranks))
     srv = resolve_server(profile, ranks, flags)
-    server = {"max_loras": srv.max_loras, "max_lora_rank": srv.max_lora_rank,
-              "max_cpu_loras": srv.max_cpu_loras, "max_num_batched_tokens": srv.max_num_batched_tokens,
-              "max_num_seqs": srv.max_num_seqs, "max_model_len": srv.max_model_len}
+    server = server_settings(srv)
     if not srv.starts:
-        out = oom_metrics(srv, len(req))
-        out["server"] = server
-        return out, None
+        return oom_metrics(srv, len(req)).replace(server=server), None
     cfg = engine_config(profile, ranks, srv, duration_s, flags.client_cap, flags.warm_start)
-    out = {"oom": False, "error_type": None, "kv_cache_tokens": srv.kv_cache_tokens}
     if early_stop is not None:
         res, metrics, _eng = run_with_early_stop(cfg, req, early_stop, limits)
-        out.update(metrics)
     else:
         res = simulate_fast(cfg, req, limits=limits)
-        out.update(compute_metrics(res, req, duration_s, len(ranks)))
-        out.update(stop_reason="full", simulated_s=duration_s)
-    out["server"] = server
-    return out, res
+        metrics = compute_metrics(res, req, duration_s, len(ranks)).replace(stop_reason="full",
+                                                                             simulated_s=duration_s)
+    return metrics.replace(kv_cache_tokens=srv.kv_cache_tokens, server=server), res
 
 
 def simulate(profile: Profile, workload, flags: ServerFlags, duration_s: float | None = None,
              seed: int = 0, early_stop: EarlyStopOptions | None = None, limits: Limits | None = None
-             ) -> tuple[dict, EngineResult | None]:
-    """Generate the workload's arrivals with ``seed`` and simulate them; adds ``wall_s``.
+             ) -> tuple[RunMetrics, EngineResult | None]:
+    """Generate the workload's arrivals with ``seed`` and simulate them; sets ``wall_s``, ``duration_s``,
+    ``seed``, ``model`` and ``gpu``.
 
     The run's cost is estimated from the workload before anything is generated (``guards``)."""
     from ..workload import generate_requests
@@ -213,9 +209,5 @@ def simulate(profile: Profile, workload, flags: ServerFlags, duration_s: float |
                             .to_array()), limits)
     req = generate_requests(workload, dur, seed, limits=limits)
     out, res = simulate_requests(profile, workload.ranks, req, flags, dur, early_stop, limits)
-    out["wall_s"] = time.perf_counter() - t0
-    out["duration_s"] = dur
-    out["seed"] = seed
-    out["model"] = profile.model
-    out["gpu"] = profile.gpu
-    return out, res
+    return out.replace(wall_s=time.perf_counter() - t0, duration_s=dur, seed=seed, model=profile.model,
+                       gpu=profile.gpu), res
