@@ -61,8 +61,9 @@ ranks = np.array([8, 16], np.int32)
 def run(t, a, p, o, duration_s=60.0):
     req = RequestArrays(np.array(t, float), np.array(a), np.array(p), np.array(o))
     m, _ = simulate_requests(prof, ranks, req, ServerFlags(max_loras=2), duration_s)
-    print(f"ttft_mean_ms={m['ttft_mean_ms']:.1f} throughput_tok_s={m['throughput_tok_s']:.1f} "
-          f"starved={m['starved']} n_arrived={m['n_arrived']}")
+    d = m.to_dict() if hasattr(m, "to_dict") else m  # (a dict before the typed results)
+    print(f"ttft_mean_ms={d['ttft_mean_ms']:.1f} throughput_tok_s={d['throughput_tok_s']:.1f} "
+          f"starved={d['starved']} n_arrived={d['n_arrived']}")
 """
 ENGINE = """
 import numpy as np

@@ -186,6 +186,14 @@ def min_step_ms(step_coef) -> float:
         return 0.0
 
 
+def profile_step_coef(profile):
+    """Step coefficients with only the profile's base step (``c0 + c1``): enough for ``min_step_ms``."""
+    from .twin.steptime import StepModel
+
+    st = profile.steptime
+    return StepModel(c0_ms=st.c0_ms, c1_ms_per_req=st.c1_ms_per_req).to_array()
+
+
 def _mean_tokens(workload) -> float:
     from .spec import TraceArrivals
 

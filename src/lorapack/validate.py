@@ -16,7 +16,7 @@ import numpy as np
 
 from .checks import check_limit, check_workers
 from .errors import DataError, LorapackError, ProfileError, SpecError
-from .guards import Limits, check, estimate_workload
+from .guards import Limits, check, estimate_workload, profile_step_coef
 from .twin.metrics import RunMetrics
 
 REQUIRED = ("run_id", "model", "n_adapters", "max_loras", "max_lora_rank", "rank_counts", "rate_counts",
@@ -215,7 +215,8 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
         elif (r.get("rate_counts") or "").strip() and (r.get("rank_counts") or "").strip():
             wl = build_workload(r, 0, lengths)
             try:
-                check(estimate_workload(wl, wl.duration_s or 3600.0), limits)
+                check(estimate_workload(wl, wl.duration_s or 3600.0, profile_step_coef(profiles[r["model"]])),
+                      limits)
             except LorapackError as e:
                 raise type(e)(f"{runs_path}: row {i + 1} (run {r.get('run_id')}): {e}") from None
             todo.extend((i, s) for s in range(seeds))

@@ -37,13 +37,11 @@ def check_resources(configs: list[SweepConfig], profile: Profile, limits: Limits
     """Cost of the most expensive config (``guards``), before the sweep creates anything.
 
     A config's requests are the sum of its N adapters' rates (round-robin over its rate tuple) x duration_s."""
-    from ..guards import Estimate, min_step_ms
-    from ..twin.steptime import StepModel
+    from ..guards import Estimate, min_step_ms, profile_step_coef
 
     if not configs:
         return
-    st = profile.steptime
-    step_ms = min_step_ms(StepModel(c0_ms=st.c0_ms, c1_ms_per_req=st.c1_ms_per_req).to_array())
+    step_ms = min_step_ms(profile_step_coef(profile))
     worst: dict[tuple, SweepConfig] = {}
     for c in configs:  # one per (rate tuple, N, duration, lengths): the rest do not change the cost
         worst.setdefault((c.rate_tuple, c.served_adapters, c.duration_s, c.mean_input_tokens,
