@@ -257,7 +257,7 @@ CASES: list[Case] = [
     Case("validate runs of a model without a profile", "'skipped 5', no reason, exit 0",
          argv=["validate", "runs.csv", "--workers", "1"],
          files={"runs.csv": RUNS_HEADER + "".join(runs_row(f"m{i}", model="mistral-7b") for i in range(5))},
-         expect="no profile"),
+         expect="no shipped profile"),
 ]
 
 

@@ -289,7 +289,11 @@ class TwinOracle(MemoryRuleOracle):
         return m
 
     def _one(self, cand: GpuCandidate) -> Prediction:
-        runs = [self.simulate(cand, s) for s in self.seeds]
+        return self.aggregate(cand, [self.simulate(cand, s) for s in self.seeds])
+
+    @staticmethod
+    def aggregate(cand: GpuCandidate, runs: Sequence[RunMetrics]) -> Prediction:
+        """One answer from the runs of ``cand`` (one per seed)."""
         first = runs[0]
         if first.oom:  # the start-up rule already passed; kept for safety
             return refused(cand, first.kv_cache_tokens, first.error_type)
@@ -308,8 +312,7 @@ class TwinOracle(MemoryRuleOracle):
             ttft_s=mean([r.ttft_mean_ms for r in runs], 1e-3), kv_cache_tokens=int(first.kv_cache_tokens),
             adapter_starved=float(np.mean([bool(r.adapter_starved) for r in runs])),
             starved_adapters=tuple(sorted(bad)), ttft_p99_s=mean([r.ttft_p99_ms for r in runs], 1e-3),
-            # NaN until the twin reports an ITL p99
-            itl_p99_ms=mean([getattr(r, "itl_p99_ms", None) for r in runs]), seeds=len(runs),
+            itl_p99_ms=mean([r.itl_p99_ms for r in runs]), seeds=len(runs),
             extra={"stop_reasons": [r.stop_reason for r in runs],
                    "ttft_penalised_s": mean([r.ttft_penalised_mean_ms for r in runs], 1e-3)})
 

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from ..errors import LorapackError
-from . import calibrate, demo, profiles, simulate, sweep, validate
+from . import calibrate, demo, evaluate, place, profiles, simulate, sweep, validate
 from .common import DEBUG as _DEBUG
 from .common import err_console, print_json, write_csv_atomic
 
@@ -34,6 +34,8 @@ app.command("profiles")(profiles.profiles)
 app.command("demo")(demo.demo)
 app.command("sweep")(sweep.sweep)
 app.command("calibrate")(calibrate.calibrate)
+app.command("place")(place.place)
+app.command("evaluate")(evaluate.evaluate)
 
 
 def main() -> None:

@@ -6,6 +6,9 @@
 * throughput = Σ_completed (P + O) / duration (input + output tokens per second);
 * incoming (ideal) = Σ_sent (P + O) / duration; ``starved`` = throughput < 0.9 × incoming;
 * ITL = Σ_completed (t_last − t_first) / Σ_completed (O − 1): the token-weighted mean of all gaps;
+* ``itl_p99_ms``: p99 over completed requests of each one's mean inter-token gap (TPOT; no per-token times);
+* per adapter: completed-token ratio over the requests sent ``adapter_grace_s`` before the end, and the age of
+  its oldest unfinished request (``adapter_starved``: ratio < 0.9 with >= 20 such requests, or age > 300 s);
 * TTFT over completed requests; penalised TTFT counts each unfinished request as the whole window.
 """
 
@@ -61,6 +64,7 @@ class RunMetrics:
     # latencies of the completed requests
     itl_mean_ms: float = NAN  # token-weighted mean gap
     tpot_mean_ms: float = NAN  # mean of per-request mean gaps
+    itl_p99_ms: float = NAN  # p99 over requests of their mean gap (no per-token times are kept)
     ttft_mean_ms: float = NAN
     ttft_median_ms: float = NAN
     ttft_p99_ms: float = NAN
@@ -130,7 +134,8 @@ def _stat(x: np.ndarray, fn) -> float:
 
 
 def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_adapters: int,
-                    adapter_min_requests: int = 20, adapter_max_wait_s: float = 300.0) -> RunMetrics:
+                    adapter_min_requests: int = 20, adapter_max_wait_s: float = 300.0,
+                    adapter_grace_s: float = 120.0) -> RunMetrics:
     """Run-level metrics plus per-adapter starvation (twin.md §4.2 extension)."""
     p = req.prompt_tokens.astype(np.int64)
     o = req.output_tokens.astype(np.int64)
@@ -160,12 +165,16 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     else:
         ttft_pen = float("nan")
 
-    # per adapter: completed-token ratio and age of the oldest unfinished request at the end
+    # per adapter: completed-token ratio and age of the oldest unfinished request at the end. The ratio counts
+    # requests sent at least ``adapter_grace_s`` before the end: one long request still in flight at the cut
+    # would otherwise flag a healthy adapter with few requests.
     ad = req.adapter
     tok = p + o
-    sent_tok = np.bincount(ad[sent], weights=tok[sent], minlength=n_adapters)
-    done_tok = np.bincount(ad[done], weights=tok[done], minlength=n_adapters)
-    sent_n = np.bincount(ad[sent], minlength=n_adapters)
+    cut = duration_s - adapter_grace_s if duration_s > 2 * adapter_grace_s else duration_s
+    ripe = sent & (req.t_arr_s < cut)
+    sent_tok = np.bincount(ad[ripe], weights=tok[ripe], minlength=n_adapters)
+    done_tok = np.bincount(ad[ripe & done], weights=tok[ripe & done], minlength=n_adapters)
+    sent_n = np.bincount(ad[ripe], minlength=n_adapters)
     open_ = sent & ~done
     oldest = np.zeros(n_adapters)
     if open_.any():
@@ -189,6 +198,7 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
         starved=bool(throughput < STARVATION_RATIO * incoming),
         itl_mean_ms=itl,
         tpot_mean_ms=tpot,
+        itl_p99_ms=_stat(span_s[multi] / gaps[multi] * 1000.0, lambda x: np.percentile(x, 99)),
         ttft_mean_ms=ttft_mean,
         ttft_median_ms=_stat(ttft_ms, np.median),
         ttft_p99_ms=_stat(ttft_ms, lambda x: np.percentile(x, 99)),
