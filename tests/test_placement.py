@@ -309,3 +309,80 @@ def test_bad_input_is_refused_before_any_work() -> None:
         place(instance([1.0]), LLAMA, "proposed", gpus=0)
     with pytest.raises(SpecError, match="max-ttft-s"):
         Objective(max_ttft_s=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# verification and repair
+
+
+def _repair_case(strict_cap: float, pool: int | None = None):
+    # the method's oracle believes a GPU serves 12 req/s, the verifier (and the repair's probes) less: the
+    # greedy places 20 adapters at 1.25 req/s as 8 + 8 + 4 (10, 10 and 5 req/s)
+    strict = ToyOracle(strict_cap)
+    return place(instance(np.full(20, 1.25)), LLAMA, "proposed", gpus=pool, objective=THR, oracle=ToyOracle(12.0),
+                 search_oracle=strict, verify_oracle=strict, capacity=toy_capacity(strict_cap), workers=1)
+
+
+def test_repair_moves_the_last_added_adapters_to_another_gpu() -> None:
+    # verifier at 9 req/s: GPUs 0 and 1 keep their first 7 adapters, the two moved ones fit on GPU 2
+    plan = _repair_case(9.0)
+    order = zigzag_order(np.full(20, 8), np.full(20, 1.25), [f"a{i:03d}" for i in range(20)])
+    ids = [f"a{i:03d}" for i in order]
+    assert [g.adapters for g in plan.gpus] == [ids[0:7], ids[8:15], ids[16:20] + [ids[7], ids[15]]]
+    v = plan.verification
+    assert v["passed"] and v["gpus_added"] == 0 and v["moved_adapters"] == 2 and v["gpus_cut"] == 2
+    assert all(g.verified.passed for g in plan.gpus) and plan.gpus[0].binding == "throughput"
+
+
+def test_repair_opens_new_gpus_or_says_how_many_the_pool_lacks() -> None:
+    # verifier at 6 req/s: 4 adapters per GPU; the 8 moved ones need two new GPUs (the bound is 5 too)
+    plan = _repair_case(6.0)
+    assert plan.verification["passed"] and plan.verification["gpus_added"] == 2
+    assert plan.gpus_used == 5 == plan.lower_bound_gpus
+    assert sorted(plan.routes()) == [f"a{i:03d}" for i in range(20)]
+    plan = _repair_case(6.0, pool=3)
+    assert plan.infeasible and "needs at least 5 GPUs, 3 given" in plan.reason
+    assert plan.settings["gpus_needed"] == 5
+
+
+def test_repair_lowers_max_loras_that_vllm_refuses() -> None:
+    # dlora keeps every adapter resident: 300 rank-16 adapters on one GPU exceed the slots vLLM can start
+    inst = instance(np.full(300, 0.01), np.full(300, 16))
+    plan = place(inst, LLAMA, "dlora", gpus=1, objective=THR, **toy_kwargs(50.0))
+    g = plan.gpus[0]
+    assert not plan.infeasible and LLAMA.startup(g.max_loras, g.max_lora_rank)[0] and g.max_loras < 300
+    assert plan.verification["max_loras_lowered"] == 1 and len(g.adapters) == 300
+    raw = place(inst, LLAMA, "dlora", gpus=1, objective=THR, verify=False, **toy_kwargs(50.0))
+    assert raw.gpus[0].max_loras == 300 and not raw.verification
+
+
+# ---------------------------------------------------------------------------------------------------------
+# with the twin (slow)
+
+
+@pytest.mark.slow
+def test_capacity_is_an_upper_bound_on_a_saturated_multi_adapter_gpu() -> None:
+    # §5's monotonicity assumption on the twin's estimators: more adapters and slots only cost throughput
+    from lorapack.oracle import GpuCandidate, TwinOracle
+    from lorapack.placement.bound import simulate_capacity_tok_s
+
+    c8 = simulate_capacity_tok_s(LLAMA, 8, 223, 197)
+    c16 = simulate_capacity_tok_s(LLAMA, 16, 223, 197)
+    assert c16 <= c8
+    twin = TwinOracle(seeds=(0,), duration_s=1800, early_stop=False)
+    for n, a in ((8, 8), (64, 32), (128, 128)):
+        cand = GpuCandidate(profile=LLAMA, ranks=np.full(n, 8), rates_rps=np.full(n, 80.0 / n), max_loras=a)
+        assert twin.predict([cand])[0].throughput_tok_s <= c8
+
+
+@pytest.mark.slow
+def test_twin_plans_respect_the_bound_and_pass_verification() -> None:
+    rng = np.random.default_rng(11)
+    inst = instance(rng.dirichlet(np.full(96, 0.5)) * 40.0 + 1e-3, rng.choice([8, 16], 96))
+    for method in ("proposed-exact", "least-adapters"):
+        plan = place(inst, LLAMA, method, workers=1)
+        assert not plan.infeasible, plan.reason
+        assert plan.verification["passed"] and all(g.verified.passed for g in plan.gpus)
+        assert plan.lower_bound_gpus <= plan.gpus_used
+        assert all(g.verified.ttft_s <= 2.0 for g in plan.gpus)
+        assert sorted(plan.routes()) == sorted(inst.adapter_ids)

@@ -182,9 +182,9 @@ class _Walker:
         return rk, rt
 
     def _cand(self, rk: np.ndarray, rt: np.ndarray, a: int) -> GpuCandidate:
-        return GpuCandidate(profile=self.profile, ranks=rk, rates_rps=rt, max_loras=a,
-                            mean_input_tokens=self.inst.mean_input_tokens,
-                            mean_output_tokens=self.inst.mean_output_tokens)
+        # the instance was validated once; slices and padding of it need no re-check
+        return GpuCandidate.prevalidated(self.profile, rk, rt, a, self.inst.mean_input_tokens,
+                                         self.inst.mean_output_tokens)
 
     def _predict(self, cands: list[GpuCandidate]) -> list[Prediction]:
         if not cands:
@@ -304,15 +304,17 @@ def deal_round_robin(n: int, gpus: int) -> list[list[int]]:
 def deal_balanced(rates_rps: np.ndarray, gpus: int) -> list[list[int]]:
     """Largest rate first onto the least-loaded GPU among those holding fewer than ceil(n/G) entries (ties:
     lowest index): balances both the load and the adapter count."""
+    import heapq
+
     n = len(rates_rps)
     cap = -(-n // gpus)
     hosts: list[list[int]] = [[] for _ in range(gpus)]
-    load = np.zeros(gpus)
-    for i in sorted(range(n), key=lambda i: (-rates_rps[i], i)):
-        open_ = [g for g in range(gpus) if len(hosts[g]) < cap]
-        g = min(open_, key=lambda g: (load[g], g))
+    heap = [(0.0, g) for g in range(gpus)]  # (load, index) of the GPUs with room
+    for i in np.argsort(-np.asarray(rates_rps), kind="stable").tolist():
+        load, g = heapq.heappop(heap)
         hosts[g].append(i)
-        load[g] += rates_rps[i]
+        if len(hosts[g]) < cap:
+            heapq.heappush(heap, (load + float(rates_rps[i]), g))
     return hosts
 
 
@@ -328,31 +330,46 @@ def slot_candidates(n_adapters: int, slot_rank: int, mem: MemoryRule, grid: Sequ
     return vals[-top:] if top else vals
 
 
+def fit_slots_many(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective,
+                   assignments: Sequence[list[list[int]]], options: GreedyOptions = GreedyOptions(),
+                   mem: MemoryRule | None = None, top: int | None = None) -> list[list[GpuFill] | None]:
+    """Give each GPU of each assignment its best ``A`` (the TEST's selection among ``slot_candidates``); an
+    assignment becomes ``None`` if one of its GPUs meets the objective with none of them. One oracle batch."""
+    mem = mem or MemoryRule(profile)
+    keys, cands = [], []
+    for j, hosts in enumerate(assignments):
+        for g, idx in enumerate(hosts):
+            if not idx:
+                continue
+            s = default_slot_rank(int(inst.ranks[idx].max()))
+            for a in slot_candidates(len(idx), s, mem, options.slot_grid, top):
+                keys.append((j, g, a))
+                cands.append(inst.candidate(profile, idx, a))
+    preds = dict(zip(keys, oracle.predict(cands) if cands else [], strict=True))
+    by_gpu: dict[tuple[int, int], list[int]] = {}
+    for j, g, a in keys:
+        by_gpu.setdefault((j, g), []).append(a)
+    results: list[list[GpuFill] | None] = []
+    for j, hosts in enumerate(assignments):
+        out: list[GpuFill] | None = []
+        for g, idx in enumerate(hosts):
+            if not idx:
+                continue
+            avals = by_gpu.get((j, g), [])
+            a, p, _why = choose(avals, [preds[(j, g, x)] for x in avals], objective, len(idx), options)
+            if a is None:
+                out = None
+                break
+            out.append(GpuFill(entries=list(idx), max_loras=a, prediction=p, binding="none"))
+        results.append(out)
+    return results
+
+
 def fit_slots(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective,
               hosts: list[list[int]], options: GreedyOptions = GreedyOptions(),
               mem: MemoryRule | None = None, top: int | None = None) -> list[GpuFill] | None:
-    """Give each GPU of a given assignment its best ``A`` (same selection as the TEST); ``None`` if some GPU
-    meets the objective with none of its candidates. One oracle batch for all GPUs."""
-    mem = mem or MemoryRule(profile)
-    keys, cands = [], []
-    for g, idx in enumerate(hosts):
-        if not idx:
-            continue
-        s = default_slot_rank(int(inst.ranks[idx].max()))
-        for a in slot_candidates(len(idx), s, mem, options.slot_grid, top):
-            keys.append((g, a))
-            cands.append(inst.candidate(profile, idx, a))
-    preds = dict(zip(keys, oracle.predict(cands) if cands else [], strict=True))
-    out: list[GpuFill] = []
-    for g, idx in enumerate(hosts):
-        if not idx:
-            continue
-        avals = [a for (gg, a) in keys if gg == g]
-        a, p, _why = choose(avals, [preds[(g, x)] for x in avals], objective, len(idx), options)
-        if a is None:
-            return None
-        out.append(GpuFill(entries=list(idx), max_loras=a, prediction=p, binding="none"))
-    return out
+    """``fit_slots_many`` for one assignment."""
+    return fit_slots_many(inst, profile, oracle, objective, [hosts], options, mem, top)[0]
 
 
 def balanced_plan(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective, gpus: int,
@@ -361,10 +378,16 @@ def balanced_plan(inst: Instance, profile: Profile, oracle: Oracle, objective: O
     first), each GPU's ``A`` chosen by the TEST's selection; ``None`` if neither works."""
     if gpus < 1 or -(-inst.n // gpus) > options.n_max:
         return None
-    top = None if is_cheap(oracle) else 2  # the twin: only the two largest A per GPU
-    for name, hosts in (("round-robin", deal_round_robin(inst.n, gpus)),
-                        ("balanced", deal_balanced(inst.rates_rps, gpus))):
-        fills = fit_slots(inst, profile, oracle, objective, hosts, options, top=top)
+    names = ("round-robin", "balanced")
+    deals = [deal_round_robin(inst.n, gpus), deal_balanced(inst.rates_rps, gpus)]
+    if is_cheap(oracle):  # both dealings in one batch
+        for name, fills in zip(names, fit_slots_many(inst, profile, oracle, objective, deals, options),
+                               strict=True):
+            if fills is not None:
+                return fills, name
+        return None
+    for name, hosts in zip(names, deals, strict=True):  # the twin: only the two largest A per GPU, lazily
+        fills = fit_slots(inst, profile, oracle, objective, hosts, options, top=2)
         if fills is not None:
             return fills, name
     return None
@@ -373,16 +396,37 @@ def balanced_plan(inst: Instance, profile: Profile, oracle: Oracle, objective: O
 def rebalance(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective, gpus: list[GpuFill],
               options: GreedyOptions = GreedyOptions(), min_gpus: int = 1,
               on_try: Callable[[int], None] | None = None) -> tuple[list[GpuFill], str]:
-    """Try balanced plans with fewer GPUs than the greedy's (one GPU less at a time, down to ``min_gpus``);
-    return the plan with the fewest GPUs and its origin (``greedy``, ``round-robin`` or ``balanced``)."""
+    """Try balanced plans with fewer GPUs than the greedy's; return the plan with the fewest GPUs and its
+    origin (``greedy``, ``round-robin`` or ``balanced``). Feasibility is taken as monotone in the GPU count.
+
+    Probes: one GPU less first (the usual outcome is that it fails: one try); then the count at which every GPU
+    would carry the largest load a greedy GPU passed with; then galloping down from the smallest count that
+    works (1, 2, 4, ... less) and bisection, never below ``min_gpus``."""
     best, origin = gpus, "greedy"
-    g_try = len(gpus) - 1
-    while options.rebalance and g_try >= max(min_gpus, 1):
+    lo, hi = max(min_gpus, 1) - 1, len(gpus)  # lo: taken not to work (below the bound); hi: works
+    if not options.rebalance or hi - 1 <= lo:
+        return best, origin
+
+    def attempt(g: int) -> bool:
+        nonlocal best, origin, lo, hi
         if on_try is not None:
-            on_try(g_try)
-        found = balanced_plan(inst, profile, oracle, objective, g_try, options)
+            on_try(g)
+        found = balanced_plan(inst, profile, oracle, objective, g, options)
         if found is None:
-            break
-        best, origin = found
-        g_try -= 1
+            lo = max(lo, g)
+            return False
+        (best, origin), hi = found, min(hi, g)
+        return True
+
+    if not attempt(hi - 1):
+        return best, origin
+    top_load = max(float(inst.rates_rps[g.entries].sum()) for g in gpus)
+    est = math.ceil(float(inst.rates_rps.sum()) / top_load - 1e-9) if top_load > 0 else hi - 1
+    if lo < est < hi:
+        attempt(est)
+    step = 1  # gallop down from the smallest count that works, then bisect
+    while hi - step > lo and attempt(hi - step):
+        step *= 2
+    while hi - lo > 1:
+        attempt((lo + hi) // 2)
     return best, origin

@@ -129,6 +129,9 @@ class Instance:
                   max_lora_rank: int | None = None) -> GpuCandidate:
         """The GPU that serves entries ``idx`` (registration order) with ``--max-loras max_loras``."""
         idx = np.asarray(idx, dtype=np.int64)
+        if max_lora_rank is None:  # the instance is validated: no need to check its slices again
+            return GpuCandidate.prevalidated(profile, self.ranks[idx], self.rates_rps[idx], max_loras,
+                                             self.mean_input_tokens, self.mean_output_tokens)
         return GpuCandidate(profile=profile, ranks=self.ranks[idx], rates_rps=self.rates_rps[idx],
                             max_loras=int(max_loras), max_lora_rank=max_lora_rank,
                             mean_input_tokens=self.mean_input_tokens, mean_output_tokens=self.mean_output_tokens)
