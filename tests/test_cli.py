@@ -383,8 +383,12 @@ def test_validate_json_and_out(tmp_path: Path) -> None:
     res = invoke("validate", _runs_csv(tmp_path), "--json", "--workers", 1, "--out", out)
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
-    assert set(d) == {"models"}
+    assert set(d) == {"models", "skipped"}
     assert set(d["models"]) == {LLAMA, QWEN, "llama-2-7b"}
+    # a skipped run says why (issue 12), in the list and in its model's counts
+    assert [(s["run_id"], s["model"]) for s in d["skipped"]] == [("skip", "llama-2-7b")]
+    assert "model 'llama-2-7b': no shipped profile on h100-64gb" in d["skipped"][0]["reason"]
+    assert d["models"]["llama-2-7b"]["skip_reasons"] == {d["skipped"][0]["reason"]: 1}
     keys = {"n_ok", "n_oom", "n_skipped", "smape_throughput", "smape_itl", "smape_ttft", "starved_agreement",
             "oom_agreement"}
     for s in d["models"].values():

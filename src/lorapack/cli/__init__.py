@@ -47,6 +47,12 @@ def main() -> None:
             raise
         err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except MemoryError:  # past the guards' estimate (or with --force): still one line, not a traceback
+        if _DEBUG["on"] or os.environ.get("LORAPACK_DEBUG"):
+            raise
+        err_console.print("[red]error:[/red] out of memory: this run needs more memory than is free on this "
+                          "machine; use a shorter --duration-s or fewer requests", highlight=False, soft_wrap=True)
+        sys.exit(2)
     except (KeyboardInterrupt, BrokenPipeError):
         sys.exit(130)
     except typer.Exit as e:
