@@ -103,6 +103,21 @@ class GpuCandidate:
         object.__setattr__(self, "rates_rps", rates)
         object.__setattr__(self, "max_loras", int(self.max_loras))
 
+    @classmethod
+    def prevalidated(cls, profile: Profile, ranks: np.ndarray, rates_rps: np.ndarray, max_loras: int,
+                     mean_input_tokens: float | None = None, mean_output_tokens: float | None = None
+                     ) -> GpuCandidate:
+        """A candidate built without the checks of ``__init__``, for callers whose arrays are already
+        validated (int64 ranks >= 1, finite float64 rates >= 0, non-empty; placement's ``Instance``): the
+        greedy builds thousands of candidates per placement, and the checks would dominate its time."""
+        self = object.__new__(cls)
+        for name, v in (("profile", profile), ("ranks", ranks), ("rates_rps", rates_rps),
+                        ("max_loras", int(max_loras)), ("max_lora_rank", None), ("max_cpu_loras", None),
+                        ("max_num_seqs", None), ("max_num_batched_tokens", None),
+                        ("mean_input_tokens", mean_input_tokens), ("mean_output_tokens", mean_output_tokens)):
+            object.__setattr__(self, name, v)
+        return self
+
     # ---- resolved flags ----
     @property
     def n_adapters(self) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .errors import DataError, LorapackError
+from .guards import Limits
 from .profile import Profile
 from .twin.metrics import RunMetrics
 
@@ -76,9 +77,14 @@ def parse_counts(text: str, kind: type = float) -> list:
 
 
 def read_runs(path: str | Path) -> list[dict]:
+    from .checks import input_file_problem
+
     path = Path(path)
-    if not path.is_file():
+    problem = input_file_problem(path)
+    if problem == "file not found":
         raise DataError(f"runs file not found: {path}")
+    if problem is not None:
+        raise DataError(f"runs file {path}: {problem}")
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in REQUIRED if c not in (reader.fieldnames or [])]
@@ -142,6 +148,8 @@ def build_workload(row: dict, seed: int, lengths: str = "lognormal", cv: float |
     """The row's workload: shuffled rank/rate assignment, pool-mean lengths, Poisson arrivals.
 
     ``cv``: post-filter CV of log-normal lengths (None = the spec default)."""
+    from pydantic import ValidationError
+
     from .spec import Adapter, LengthsSpec, PoissonArrivals, Workload
 
     n = int(float(row["n_adapters"]))
@@ -154,12 +162,18 @@ def build_workload(row: dict, seed: int, lengths: str = "lognormal", cv: float |
     rates = np.array(rates)[rng.permutation(n)]
     mi = row_float(row, "mean_input_tokens", DEFAULT_MEAN_INPUT_TOKENS)
     mo = row_float(row, "mean_output_tokens", DEFAULT_MEAN_OUTPUT_TOKENS)
-    adapters = [Adapter(adapter_id=f"adapter-{i}", rank=int(ranks[i]), rate_rps=float(rates[i]))
-                for i in range(n)]
     extra = {"cv": float(cv)} if cv is not None and lengths == "lognormal" else {}
-    return Workload(adapters=adapters, lengths=LengthsSpec(kind=lengths, mean_input_tokens=mi,
-                                                           mean_output_tokens=mo, **extra),
-                    arrivals=PoissonArrivals(), duration_s=row_float(row, "window_s", 3600.0))
+    try:
+        adapters = [Adapter(adapter_id=f"adapter-{i}", rank=int(ranks[i]), rate_rps=float(rates[i]))
+                    for i in range(n)]
+        return Workload(adapters=adapters, lengths=LengthsSpec(kind=lengths, mean_input_tokens=mi,
+                                                               mean_output_tokens=mo, **extra),
+                        arrivals=PoissonArrivals(), duration_s=row_float(row, "window_s", 3600.0))
+    except ValidationError as e:  # e.g. mean_input_tokens 1e12 or window_s -5 in the runs file
+        err = e.errors(include_url=False)[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise DataError(f"run {row.get('run_id')}: {where}: {err['msg'].removeprefix('Value error, ')} "
+                        f"(got {err.get('input')!r})") from None
 
 
 def server_flags(row: dict, profile: Profile, client_cap: int | None = None):
@@ -201,7 +215,7 @@ def feasible_cv(mean_input: float, mean_output: float, cv: float) -> float:
 
 
 def simulate_run(profile: Profile, row: dict, seed: int = 0, lengths: str = "lognormal", cv: float | None = None,
-                 client_cap: int | None = None) -> RunMetrics:
+                 client_cap: int | None = None, limits: Limits | None = None) -> RunMetrics:
     """Rebuild one real run and simulate it with ``profile``.
 
     ``cv`` overrides the profile's fitted length CV (``profile.runs_lengths``); a CV the log-normal law cannot
@@ -215,7 +229,7 @@ def simulate_run(profile: Profile, row: dict, seed: int = 0, lengths: str = "log
             cv = feasible_cv(row_float(row, "mean_input_tokens", DEFAULT_MEAN_INPUT_TOKENS),
                              row_float(row, "mean_output_tokens", DEFAULT_MEAN_OUTPUT_TOKENS), cv)
         wl = build_workload(row, seed, lengths, cv)
-        out, _ = simulate(profile, wl, server_flags(row, profile, client_cap), wl.duration_s, seed)
+        out, _ = simulate(profile, wl, server_flags(row, profile, client_cap), wl.duration_s, seed, limits=limits)
     except LorapackError as e:  # name the run: the error may surface from a worker process
         raise DataError(f"run {row.get('run_id')}: {e}") from None
     return out

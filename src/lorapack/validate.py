@@ -10,10 +10,14 @@ import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .errors import LorapackError, ProfileError
+from .checks import check_limit, check_workers
+from .errors import DataError, LorapackError, ProfileError, SpecError
+from .guards import Limits, check, estimate_workload, profile_step_coef
+from .profile import Profile
 from .realruns import (
     VALIDATE_COLUMNS,
     RunPrediction,
+    build_workload,
     check_row,
     compare_runs,
     read_runs,
@@ -38,43 +42,71 @@ def _progress(show: bool, total: int) -> Iterator[Callable[[], None]]:
         yield lambda: bar.advance(task)
 
 
-def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb", lengths: str = "lognormal",
-                   workers: int = 0, limit: int | None = None, progress: bool = True) -> dict:
-    """Simulate every row (x seeds) and compare. Returns ``{"models": {...}, "rows": {column: list}}``:
-    per model the row counts plus ``realruns.score_runs``; per row ``realruns.VALIDATE_COLUMNS``."""
+def _profiles(gpu: str, profile: Profile | None) -> tuple[dict[str, Profile], str]:
+    """The profiles runs are scored with (by model), and what to say about a model without one."""
     from .profile import available_profiles, find_profile
 
-    if seeds < 1:
-        raise LorapackError(f"--seeds {seeds}: expected an integer >= 1")
-    if lengths not in ("fixed", "lognormal"):
-        raise LorapackError(f"--lengths {lengths}: expected fixed or lognormal")
-    if limit is not None and limit < 0:
-        raise LorapackError(f"--limit {limit}: expected an integer >= 0")
-    rows = read_runs(runs_path)
-    if limit is not None:
-        rows = rows[:limit]
+    if profile is not None:
+        return {profile.model: profile}, f"not the model of --profile ({profile.model} on {profile.gpu})"
     avail = available_profiles()
     if gpu not in {g for g, _, _ in avail}:
         raise ProfileError(f"unknown gpu '{gpu}': shipped profiles exist for "
                            f"{', '.join(sorted({g for g, _, _ in avail})) or 'none'}")
-    have = {m for g, m, _ in avail if g == gpu}
-    profiles = {m: find_profile(m, gpu) for m in have}
+    have = sorted({m for g, m, _ in avail if g == gpu})
+    return ({m: find_profile(m, gpu) for m in have},
+            f"no shipped profile on {gpu} (shipped: {', '.join(have)}); calibrate one and pass --profile FILE")
+
+
+def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb", lengths: str = "lognormal",
+                   workers: int = 0, limit: int | None = None, progress: bool = True,
+                   limits: Limits | None = None, profile: Profile | None = None) -> dict:
+    """Simulate every row (x seeds) and compare. Returns ``{"models": {...}, "rows": {column: list},
+    "skipped": [{"run_id", "model", "reason"}]}``: per model the row counts (``skip_reasons`` counts the
+    skipped rows by reason) plus ``realruns.score_runs``; per row ``realruns.VALIDATE_COLUMNS``.
+
+    ``profile``: score the runs of its model with it (``validate --profile FILE``; the other rows are
+    skipped), instead of the shipped profiles of ``gpu``. Every row is checked and costed (``guards``,
+    ``limits``) before any simulation starts; a file none of whose rows can be scored is a ``DataError``."""
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise SpecError(f"--seeds {seeds}: expected an integer >= 1")
+    if lengths not in ("fixed", "lognormal"):
+        raise SpecError(f"--lengths {lengths}: expected fixed or lognormal")
+    check_limit(limit)
+    check_workers(workers)
+    rows = read_runs(runs_path)
+    if limit is not None:
+        rows = rows[:limit]
+    profiles, no_profile = _profiles(gpu, profile)
     preds: dict[int, RunPrediction] = {}
+    skipped: dict[int, str] = {}  # row -> why it is not scored (reported, never silent)
     todo = []
     for i, r in enumerate(rows):
         r["model"] = (r.get("model") or "").strip()
-        if r["model"] not in have:
+        where = f"{runs_path}: row {i + 1} (run {r.get('run_id')})"
+        if r["model"] not in profiles:
+            skipped[i] = f"model '{r['model']}': {no_profile}"
             continue
-        check_row(r, f"{runs_path}: row {i + 1} (run {r.get('run_id')})")
-        pred = startup_prediction(profiles[r["model"]], r)
+        check_row(r, where)
+        prof = profiles[r["model"]]
+        pred = startup_prediction(prof, r)
         if pred is not None:
             preds[i] = pred
         elif (r.get("rate_counts") or "").strip() and (r.get("rank_counts") or "").strip():
+            wl = build_workload(r, 0, lengths)
+            try:  # before the first simulation: a row that cannot finish fails now, naming itself
+                check(estimate_workload(wl, wl.duration_s or 3600.0, profile_step_coef(prof)), limits)
+            except LorapackError as e:
+                raise type(e)(f"{where}: {e}") from None
             todo.extend((i, s) for s in range(seeds))
+        else:
+            skipped[i] = "an ok run without rank_counts/rate_counts cannot be rebuilt"
+    if rows and len(skipped) == len(rows):
+        raise DataError(f"{runs_path}: none of its {len(rows)} run(s) can be scored: "
+                        f"{'; '.join(sorted(set(skipped.values())))}")
 
     from .executor import Executor
 
-    jobs = [(profiles[rows[i]["model"]], rows[i], s, lengths) for i, s in todo]
+    jobs = [(profiles[rows[i]["model"]], rows[i], s, lengths, None, None, limits) for i, s in todo]
     outs: list[RunMetrics | None] = [None] * len(jobs)
     with Executor(workers) as ex, _progress(progress and bool(jobs), len(jobs)) as advance:
         for k, out in ex.imap(simulate_run, jobs):
@@ -89,12 +121,16 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
     table = compare_runs([rows[i] for i in done], [preds[i] for i in done])
     summary: dict[str, dict] = {}
     for i, r in enumerate(rows):  # every model met, in order of appearance (also those without a profile)
-        st = summary.setdefault(r["model"], {"n_ok": 0, "n_oom": 0, "n_skipped": 0})
+        st = summary.setdefault(r["model"], {"n_ok": 0, "n_oom": 0, "n_skipped": 0, "skip_reasons": {}})
         if i not in preds:
             st["n_skipped"] += 1
+            why = skipped.get(i, "not simulated")
+            st["skip_reasons"][why] = st["skip_reasons"].get(why, 0) + 1
         else:
             st["n_oom" if r["status"].strip() == "oom" else "n_ok"] += 1
     for m, st in summary.items():
         sel = [i for i in done if rows[i]["model"] == m]
         st.update(score_runs([rows[i] for i in sel], [preds[i] for i in sel]))
-    return {"models": summary, "rows": {c: [getattr(t, c) for t in table] for c in VALIDATE_COLUMNS}}
+    return {"models": summary, "rows": {c: [getattr(t, c) for t in table] for c in VALIDATE_COLUMNS},
+            "skipped": [{"run_id": rows[i].get("run_id"), "model": rows[i]["model"], "reason": why}
+                        for i, why in sorted(skipped.items())]}

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..checks import check_output_dir, check_output_file
 from ..errors import DataError
 from ..profile import Priors, Profile, save_profile
 from ..realruns import RunComparison, compare_runs, run_group, score_runs
@@ -143,8 +144,10 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
     if bad:
         raise DataError(f"--free {','.join(bad)}: unknown; expected names among {', '.join(FREE_PARAMS)}")
     out_path = Path(out) if out is not None else Path.cwd() / default_profile_name(model, gpu, vllm_version)
-    if not out_path.parent.is_dir():
-        raise DataError(f"--out {out_path}: directory {out_path.parent} does not exist")
+    # outputs are checked before the (long) fits: a bad path is an error now, not after the work
+    check_output_file(out_path, "--out")
+    if report is not None:
+        check_output_dir(report, "--report")
     rows = load_runs(Path(runs), model) if runs is not None else None
 
     prior = fit_priors_from(profiling, runs, model, gpu=gpu, vllm_version=vllm_version,

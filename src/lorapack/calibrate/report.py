@@ -46,9 +46,14 @@ def _plt():
 
 
 def _save(fig, path: Path, written: list[str]) -> None:
+    from ..checks import atomic_path
+
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
+    try:
+        with atomic_path(path) as tmp:  # a failed write leaves no half-written plot
+            fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png")
+    finally:
+        _plt().close(fig)
     written.append(path.name)
 
 
@@ -72,7 +77,7 @@ def write_report(out_dir: Path, prof: Profile, profiling: Path, runs_table: list
     except ImportError as e:  # matplotlib is a dependency, but keep the message clear if it is missing
         raise DataError(f"--report needs matplotlib ({e})") from None
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)  # its parent was checked up front (checks.check_output_dir)
     written: list[str] = []
     m = prof.model
     _memory(out_dir, prof, _rows(profiling / "memory_kv_capacity.csv", m), written)

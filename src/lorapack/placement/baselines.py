@@ -58,13 +58,8 @@ def shares_of(fill: GpuFill) -> list[float]:
 def least_adapters(inst: Instance, gpus: int, fixed_max_loras: int | None = None) -> Assignment:
     """Each adapter (input order) onto the GPU with the fewest adapters (ties: lowest index); every adapter
     resident (``A = |I_g|``), or ``A = min(fixed_max_loras, |I_g|)`` for the ``fixed`` variant."""
-    hosts: list[list[int]] = [[] for _ in range(gpus)]
-    count = np.zeros(gpus, dtype=np.int64)
-    for i in range(inst.n):
-        g = int(np.argmin(count))  # argmin returns the lowest index on ties
-        hosts[g].append(i)
-        count[g] += 1
-    fills = _fills(hosts)
+    # the fewest-adapters GPU (ties: lowest index) cycles through the indices: entry i -> GPU i mod G
+    fills = _fills([list(range(g, inst.n, gpus)) for g in range(gpus)])
     if fixed_max_loras is not None:
         for f in fills:
             f.max_loras = min(int(fixed_max_loras), len(f.entries))
@@ -178,12 +173,15 @@ def _dlora_first_phase(expected: np.ndarray) -> np.ndarray:  # pragma: no cover 
     for step in range(m):
         while not unalloc[u0]:
             u0 += 1
+        inv = 1.0 / (r + 1e-7)
         nxt = 0
+        s_nxt = cur[0] * inv - expected[0]
         for i in range(m):
-            if cur[i] / (r + 1e-7) - expected[i] < cur[nxt] / (r + 1e-7) - expected[nxt]:
-                nxt = i
+            s_i = cur[i] * inv - expected[i]
+            if s_i < s_nxt:
+                nxt, s_nxt = i, s_i
             if not unalloc[nxt]:
-                nxt = u0
+                nxt, s_nxt = u0, cur[u0] * inv - expected[u0]
         order[step] = nxt
         unalloc[nxt] = False
         cur[nxt] = 1.0

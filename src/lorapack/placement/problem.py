@@ -70,6 +70,14 @@ class Objective:
                 "max_itl_p99_ms": itl_p99_ms}
         return [k for k, lim in self.limits().items() if vals[k] > lim]  # NaN > x is False
 
+    def latency_use(self, p: Prediction) -> float:
+        """The largest share of a latency limit the prediction uses (0.4 = 40 % of the tightest limit); NaN
+        when the objective sets no limit or the oracle predicts none of the limited values."""
+        vals = {"max_ttft_s": p.ttft_s, "max_itl_ms": p.itl_ms, "max_ttft_p99_s": p.ttft_p99_s,
+                "max_itl_p99_ms": p.itl_p99_ms}
+        uses = [vals[k] / lim for k, lim in self.limits().items() if math.isfinite(vals[k])]
+        return max(uses) if uses else math.nan
+
     def check(self, p: Prediction) -> str | None:
         """``None`` if the predicted GPU meets the objective, else the binding constraint: ``memory`` (vLLM
         does not start), ``throughput`` (starved: the paper's label or an adapter starved) or ``latency``."""
@@ -129,6 +137,9 @@ class Instance:
                   max_lora_rank: int | None = None) -> GpuCandidate:
         """The GPU that serves entries ``idx`` (registration order) with ``--max-loras max_loras``."""
         idx = np.asarray(idx, dtype=np.int64)
+        if max_lora_rank is None:  # the instance is validated: no need to check its slices again
+            return GpuCandidate.prevalidated(profile, self.ranks[idx], self.rates_rps[idx], max_loras,
+                                             self.mean_input_tokens, self.mean_output_tokens)
         return GpuCandidate(profile=profile, ranks=self.ranks[idx], rates_rps=self.rates_rps[idx],
                             max_loras=int(max_loras), max_lora_rank=max_lora_rank,
                             mean_input_tokens=self.mean_input_tokens, mean_output_tokens=self.mean_output_tokens)

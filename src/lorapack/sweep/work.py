@@ -32,6 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .. import __version__
+from ..guards import Limits
 from ..profile import Profile
 from .grid import SweepConfig
 
@@ -90,6 +91,7 @@ class WorkUnit:
     configs: list[SweepConfig]
     prune: bool = False
     key: str = field(default="")
+    limits: Limits | None = None  # resource limits of each run (guards.DEFAULT_LIMITS when None)
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -171,7 +173,7 @@ def _arrivals_key(cfg: SweepConfig) -> tuple:
             cfg.mean_output_tokens, cfg.lengths_cv, cfg.duration_s)
 
 
-def config_requests(cfg: SweepConfig):
+def config_requests(cfg: SweepConfig, limits: Limits | None = None):
     """The config's arrivals (``RequestArrays``), generated once per process and arrivals key.
 
     The engine only reads these arrays; they are shared between the configs of one key.
@@ -188,7 +190,7 @@ def config_requests(cfg: SweepConfig):
     # ranks play no part in generation; rank 8 keeps the workload valid
     wl = Workload(adapters=[Adapter(adapter_id=f"a{i}", rank=8, rate_rps=float(q)) for i, q in enumerate(rates)],
                   lengths=cfg.lengths(), arrivals=PoissonArrivals(), duration_s=cfg.duration_s)
-    req = generate_requests(wl, cfg.duration_s, cfg.seed)
+    req = generate_requests(wl, cfg.duration_s, cfg.seed, limits)
     if len(req) <= REQUEST_CACHE_BUDGET:
         _request_cache[key] = req
         held = sum(len(r) for r in _request_cache.values())
@@ -202,20 +204,18 @@ def clear_request_cache() -> None:
     _request_cache.clear()
 
 
-def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts) -> dict:
+def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts, limits: Limits | None = None
+                    ) -> dict:
     """Run the twin on one config (which must start) and return its row."""
     from ..twin.run import ServerFlags, simulate_requests
 
     t0 = time.perf_counter()
     ranks = cfg.ranks()
-    req = config_requests(cfg)
+    req = config_requests(cfg, limits)
     flags = ServerFlags(max_loras=cfg.adapter_slots, max_lora_rank=cfg.max_lora_rank,
                         max_cpu_loras=cfg.served_adapters)
     opts = _early_stop_options(shortcuts)
-    if opts is None:
-        m, _ = simulate_requests(profile, ranks, req, flags, cfg.duration_s)
-    else:
-        m, _ = simulate_requests(profile, ranks, req, flags, cfg.duration_s, early_stop=opts)
+    m, _ = simulate_requests(profile, ranks, req, flags, cfg.duration_s, early_stop=opts, limits=limits)
     row = features(cfg, profile)
     if m.oom:  # the caller checks the start-up rule first; kept for safety
         row.update(_empty_metrics())
@@ -253,7 +253,7 @@ def run_unit(unit: WorkUnit, profile: Profile, shortcuts: Shortcuts) -> list[dic
         if unit.prune and streak >= PRUNE_AFTER_STARVING:
             rows.append(pruned_row(cfg, profile))
             continue
-        row = simulate_config(cfg, profile, shortcuts)
+        row = simulate_config(cfg, profile, shortcuts, unit.limits)
         streak = streak + 1 if row["starved"] else 0
         rows.append(row)
     return rows

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..guards import Limits
 from .engine import Engine
 from .metrics import STARVATION_RATIO, RunMetrics, compute_metrics
 from .steptime import C1, P1
@@ -88,11 +89,11 @@ def _full_run_metrics(res: EngineResult, req: RequestArrays, cfg: EngineConfig) 
     return compute_metrics(res, req, T, cfg.n_adapters).replace(stop_reason=STOP_FULL, simulated_s=T)
 
 
-def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOptions
-                        ) -> tuple[EngineResult, RunMetrics, Engine]:
+def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOptions,
+                        limits: Limits | None = None) -> tuple[EngineResult, RunMetrics, Engine]:
     """Simulate with early termination; returns the (possibly partial) result, the metrics with
     extrapolated run-level values, and the engine (for its final snapshot)."""
-    eng = Engine(cfg, req)
+    eng = Engine(cfg, req, limits=limits)
     T = float(cfg.duration_s)
     if cfg.client_cap > 0 or not (opts.certain or opts.likely or opts.healthy):
         eng.advance_to(T)

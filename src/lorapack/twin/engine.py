@@ -57,6 +57,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from ..guards import Limits, check_engine
 from . import steptime as _steptime_mod
 from .jitcache import cached_njit
 from .types import TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays
@@ -693,9 +694,12 @@ class Engine:
     changes the outcome: a pause happens between two steps, exactly where the uninterrupted loop would be.
     """
 
-    def __init__(self, cfg: EngineConfig, req: RequestArrays, compiled: bool = True) -> None:
+    def __init__(self, cfg: EngineConfig, req: RequestArrays, compiled: bool = True,
+                 limits: Limits | None = None) -> None:
+        # compiled code indexes without bounds checks: a bad index is a crash, not an exception
+        check_engine(cfg, req, limits)
         self.cfg, self.req = cfg, req
-        self.limits = server_limits(cfg)
+        self.server = server_limits(cfg)
         self.state = new_state(cfg, req)
         self._advance = _advance if compiled else _advance_python
 
@@ -713,7 +717,7 @@ class Engine:
         return self.t_s >= self.cfg.duration_s
 
     def advance_to(self, t_stop_s: float) -> Engine:
-        self._advance(self.limits, self.state, float(t_stop_s))
+        self._advance(self.server, self.state, float(t_stop_s))
         return self
 
     def snapshot(self) -> dict:
@@ -747,9 +751,12 @@ class Engine:
         )
 
 
-def simulate_fast(cfg: EngineConfig, req: RequestArrays, compiled: bool = True) -> EngineResult:
-    """Simulate one server over ``[0, cfg.duration_s)``; ``compiled=False`` runs the step loop uncompiled."""
-    return Engine(cfg, req, compiled).advance_to(float("inf")).result()
+def simulate_fast(cfg: EngineConfig, req: RequestArrays, compiled: bool = True,
+                  limits: Limits | None = None) -> EngineResult:
+    """Simulate one server over ``[0, cfg.duration_s)``; ``compiled=False`` runs the step loop uncompiled.
+
+    Inputs are checked first (``guards.check_engine``): ``SpecError`` / ``ResourceLimitError``."""
+    return Engine(cfg, req, compiled, limits).advance_to(float("inf")).result()
 
 
 def warm_up() -> float:
