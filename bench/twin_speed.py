@@ -103,17 +103,18 @@ def _time(proc: subprocess.Popen, name: str) -> float:
     return json.loads(proc.stdout.readline())["wall_s"]
 
 
-def compare(rev: str, repeats: int, out: Path) -> None:
+def compare(rev: str, repeats: int, out: Path, only: list[str] | None = None) -> None:
     """Time revision ``rev`` (before) and the working tree (after) in one run, interleaved, best of N."""
+    configs = [c for c in CONFIGS if only is None or c[0] in only]
     with tempfile.TemporaryDirectory(prefix="twin-speed-") as tmp:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src"], check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         versions = {"before": Path(tmp) / "src", "after": REPO / "src"}
         procs = {k: _worker(v) for k, v in versions.items()}
-        best = {k: {c[0]: float("inf") for c in CONFIGS} for k in versions}
+        best = {k: {c[0]: float("inf") for c in configs} for k in versions}
         try:
             for rep in range(repeats):
-                for name, *_ in CONFIGS:
+                for name, *_ in configs:
                     order = ("before", "after") if rep % 2 == 0 else ("after", "before")
                     for k in order:
                         best[k][name] = min(best[k][name], _time(procs[k], name))
@@ -123,7 +124,7 @@ def compare(rev: str, repeats: int, out: Path) -> None:
                 p.stdin.close()
                 p.wait()
     print(f"\n{'config':32s} {'before s':>9s} {'after s':>9s} {'after/before':>12s}")
-    for name, *_ in CONFIGS:
+    for name, *_ in configs:
         b, a = best["before"][name], best["after"][name]
         print(f"{name:32s} {b:9.4f} {a:9.4f} {a / b:12.3f}")
     summary = {}
@@ -152,13 +153,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--compare", metavar="REV", default=None,
                     help="also time git revision REV, interleaved with the working tree (best of --repeats)")
+    ap.add_argument("--only", default=None, help="with --compare: comma-separated config names (default: all)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     results = Path(__file__).parent / "results"
     if args.serve:
         return serve()
     if args.compare:
-        return compare(args.compare, args.repeats or 5, args.out or results / "twin_speed_compare.json")
+        only = args.only.split(",") if args.only else None
+        unknown = sorted(set(only or ()) - {c[0] for c in CONFIGS})
+        if unknown:
+            ap.error(f"--only: unknown config(s) {', '.join(unknown)}; expected names from CONFIGS")
+        return compare(args.compare, args.repeats or 5, args.out or results / "twin_speed_compare.json", only)
     args.repeats = args.repeats or 3
     args.out = args.out or results / "twin_speed.json"
 

@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from lorapack.cli.common import json_safe
 from lorapack.evaluate.report import study_figures, study_markdown
+from lorapack.textfiles import json_safe
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"

@@ -20,7 +20,7 @@ from data_helpers import run_main
 from lorapack import cli
 from lorapack.cli import app, write_csv_atomic
 from lorapack.errors import SpecError
-from lorapack.spec import example_workload
+from lorapack.workload import example_workload
 
 LLAMA, QWEN = "llama-3.1-8b-instruct", "qwen-2.5-7b-instruct"
 DEMO = str(example_workload())

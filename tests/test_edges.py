@@ -326,8 +326,8 @@ def test_limits_refuse_then_force_runs() -> None:
     from lorapack.errors import ResourceLimitError
     from lorapack.guards import Limits
     from lorapack.profile import find_profile
-    from lorapack.spec import load_workload
     from lorapack.twin.run import ServerFlags, simulate
+    from lorapack.workload import load_workload
 
     prof, wl = find_profile(LLAMA), load_workload(DEMO)
     with pytest.raises(ResourceLimitError, match=r"gives 114 requests in one run; the limit is 100 requests "

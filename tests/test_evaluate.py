@@ -291,7 +291,7 @@ def test_scenario_trace_problems(tmp_path, trace_file, data_dir):
 
 
 def test_cli_json_contract_and_outputs(tmp_path, trace_file, monkeypatch, capsys):
-    import lorapack.evaluate.methods as methods
+    import lorapack.evaluate.placers as methods
     from data_helpers import run_main
 
     monkeypatch.setattr(methods, "default_placer", lambda *a, **k: ToyPlacer())
@@ -315,7 +315,7 @@ def test_cli_json_contract_and_outputs(tmp_path, trace_file, monkeypatch, capsys
 
 
 def test_cli_errors_exit_2_without_output(tmp_path, trace_file, monkeypatch, capsys):
-    import lorapack.evaluate.methods as methods
+    import lorapack.evaluate.placers as methods
     from data_helpers import run_main
 
     monkeypatch.setattr(methods, "default_placer", lambda *a, **k: ToyPlacer())
@@ -346,7 +346,7 @@ def test_real_placement_methods_on_a_small_scenario(tmp_path, trace_file):
 
 
 def test_demo_with_a_toy_placer(tmp_path, monkeypatch, capsys, data_dir):
-    import lorapack.evaluate.methods as methods
+    import lorapack.evaluate.placers as methods
     from data_helpers import run_main
 
     toy = ToyPlacer(pack=("proposed", "proposed-exact"), deal=("dlora", "loraserve", "least-adapters", "round-robin"))
@@ -400,7 +400,7 @@ def test_evaluation_doc_script_fills_the_marked_section(tmp_path, trace_file):
 
 
 def test_jobs_give_the_same_results(tmp_path, trace_file, monkeypatch, capsys):
-    import lorapack.evaluate.methods as methods
+    import lorapack.evaluate.placers as methods
     from data_helpers import run_main
 
     monkeypatch.setattr(methods, "default_placer", lambda *a, **k: ToyPlacer())

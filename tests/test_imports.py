@@ -16,8 +16,11 @@ PACKAGE = "lorapack"
 # A module not listed by a prefix belongs to APPLICATIONS (validate, calibrate, sweep, placement, ...).
 APPLICATIONS = "applications"
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("lorapack", "lorapack.errors", "lorapack.textfiles", "lorapack.executor"),  # foundations
-    ("lorapack.profile", "lorapack.spec", "lorapack.twin.types"),  # validated inputs and the twin's data types
+    # foundations: errors, argument checks, text files in and out, the executor
+    ("lorapack", "lorapack.errors", "lorapack.checks", "lorapack.textfiles", "lorapack.executor"),
+    # validated inputs; the twin's data types and step-time estimator (pure functions of arrays); resource
+    # limits and the cost of a run from its arrays
+    ("lorapack.profile", "lorapack.spec", "lorapack.twin.types", "lorapack.twin.steptime", "lorapack.guards"),
     ("lorapack.workload",),  # requests from a workload
     ("lorapack.twin",),  # the digital twin
     ("lorapack.realruns", "lorapack.oracle"),  # the twin's seams: real runs, feasibility questions

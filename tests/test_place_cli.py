@@ -12,7 +12,7 @@ import pytest
 
 from data_helpers import run_main
 from lorapack.placement.export import VLLM_SERVE_FLAGS, VLLM_VERSION
-from lorapack.spec import example_workload
+from lorapack.workload import example_workload
 
 LLAMA = "llama-3.1-8b-instruct"
 PLAN_KEYS = {"method", "gpus_used", "lower_bound_gpus", "placement_ms", "gpus"}

@@ -23,19 +23,19 @@ from lorapack.spec import (
     TraceArrivals,
     UnpredictableArrivals,
     Workload,
-    example_workload,
     expand_adapters,
-    load_workload,
-    with_mean_lengths,
 )
 from lorapack.twin.types import RequestArrays
 from lorapack.workload import (
     adapter_ranks,
+    example_workload,
     generate_requests,
     load_trace,
+    load_workload,
     sample_lengths,
     solve_lognormal_lengths,
     unpredictable_rate_multipliers,
+    with_mean_lengths,
 )
 from lorapack.workload.generate import _stable_time_order
 from lorapack.workload.lengths import MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS, MIN_TOKENS

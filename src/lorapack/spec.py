@@ -1,7 +1,8 @@
 """Workload spec: which adapters a server registers, how requests arrive and how long they are.
 
-A workload is loaded from YAML or from a bare adapters CSV (``load_workload``). Every malformed input raises a
-``SpecError`` whose one-line message names the file, the line and what was expected, e.g.
+The validated models only. A workload is loaded from YAML or from a bare adapters CSV by
+``lorapack.workload.load_workload`` (``workload/files.py``), which turns every malformed input into a one-line
+``SpecError`` naming the file, the line and what was expected, e.g.
 ``demo.yaml:14: adapters[2].rate_rps: expected a finite number >= 0 (got -1)``.
 
 YAML layout (all sections but the adapters are optional)::
@@ -25,31 +26,20 @@ the adapters only receive requests through the assignment weights (``uniform``/`
 
 from __future__ import annotations
 
-import csv
-import io
 import math
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Discriminator,
     Field,
     Tag,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from .errors import SpecError
-
-EXAMPLES_DIR = Path(__file__).parent / "examples"
-ADAPTER_COLUMNS = ("adapter_id", "rank", "rate_rps")
-ADAPTER_OPTIONAL_COLUMNS = ("path",)
 DEFAULT_MEAN_INPUT_TOKENS = 223.0
 DEFAULT_MEAN_OUTPUT_TOKENS = 197.0
 DEFAULT_LENGTHS_CV = 1.1  # post-filter CV implied by the published runs (twin.md §5, an inference)
@@ -60,11 +50,13 @@ MAX_ARRIVAL_SIGMA = 6.0
 MAX_ADAPTERS = 1_000_000  # per workload; loading and generating a million adapters already takes minutes
 
 
-class _Frozen(BaseModel):
+class FrozenModel(BaseModel):
+    """Immutable, and unknown fields are errors (a misspelt key must not be ignored)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def _no_bool(value: Any) -> Any:
+def reject_bool(value: Any) -> Any:
     # pydantic's lax mode turns True into 1; a boolean rank or rate is always a typo
     if isinstance(value, bool):
         raise ValueError(f"expected a number, got a boolean ({value})")
@@ -117,7 +109,7 @@ def _identifier(value: Any) -> Any:
 # adapters
 
 
-class Adapter(_Frozen):
+class Adapter(FrozenModel):
     """One served adapter. Its position in ``Workload.adapters`` is its registration index."""
 
     adapter_id: str
@@ -126,7 +118,7 @@ class Adapter(_Frozen):
     path: str | None = None  # weights location, passed through to the vLLM command line
 
     _id = field_validator("adapter_id", mode="before")(_identifier)
-    _nb = field_validator("rank", "rate_rps", mode="before")(_no_bool)
+    _nb = field_validator("rank", "rate_rps", mode="before")(reject_bool)
     _r = field_validator("rank")(_positive_int)
     _rt = field_validator("rate_rps")(_rate)
 
@@ -137,7 +129,7 @@ class Adapter(_Frozen):
         return None if isinstance(value, str) and not value.strip() else value
 
 
-class AdapterGroup(_Frozen):
+class AdapterGroup(FrozenModel):
     """``count`` identical adapters, expanded to ids ``<id_prefix>-<k>`` (YAML shorthand)."""
 
     count: int
@@ -145,7 +137,7 @@ class AdapterGroup(_Frozen):
     rate_rps: float
     id_prefix: str = "adapter"
 
-    _nb = field_validator("count", "rank", "rate_rps", mode="before")(_no_bool)
+    _nb = field_validator("count", "rank", "rate_rps", mode="before")(reject_bool)
     _c = field_validator("count", "rank")(_positive_int)
     _rt = field_validator("rate_rps")(_rate)
     _id = field_validator("id_prefix", mode="before")(_identifier)
@@ -193,7 +185,7 @@ AdapterEntry = Annotated[
 # lengths
 
 
-class LengthsSpec(_Frozen):
+class LengthsSpec(FrozenModel):
     """Prompt / output token counts of the requests.
 
     * ``fixed``: every request has ``round(mean_input_tokens)`` / ``round(mean_output_tokens)`` tokens.
@@ -210,7 +202,7 @@ class LengthsSpec(_Frozen):
     cv: float = DEFAULT_LENGTHS_CV
     path: str | None = None
 
-    _nb = field_validator("mean_input_tokens", "mean_output_tokens", "cv", mode="before")(_no_bool)
+    _nb = field_validator("mean_input_tokens", "mean_output_tokens", "cv", mode="before")(reject_bool)
 
     @field_validator("mean_input_tokens", "mean_output_tokens")
     @classmethod
@@ -234,13 +226,13 @@ class LengthsSpec(_Frozen):
 # arrivals
 
 
-class PoissonArrivals(_Frozen):
+class PoissonArrivals(FrozenModel):
     """Each adapter: a Poisson process at ``rate_rps`` (exponential gaps)."""
 
     kind: Literal["poisson"] = "poisson"
 
 
-class LognormalArrivals(_Frozen):
+class LognormalArrivals(FrozenModel):
     """Each adapter: log-normal gaps with mean ``1/rate_rps`` (``mu = -ln(rate) - sigma^2/2``)."""
 
     kind: Literal["lognormal"] = "lognormal"
@@ -249,7 +241,7 @@ class LognormalArrivals(_Frozen):
     _s = field_validator("sigma")(_arrival_sigma)
 
 
-class UnpredictableArrivals(_Frozen):
+class UnpredictableArrivals(FrozenModel):
     """The paper's perturbed process (placement.md §6.5).
 
     Time is cut into ``period_s`` periods. Each adapter starts at its nominal rate (multiplier 1); at every
@@ -276,7 +268,7 @@ class UnpredictableArrivals(_Frozen):
         return value
 
 
-class TraceArrivals(_Frozen):
+class TraceArrivals(FrozenModel):
     """Replay a trace CSV ``arrived_at,num_prefill_tokens,num_decode_tokens`` (data/README.md §5).
 
     Requests at ``arrived_at >= start_s`` are replayed shifted by ``-start_s`` with their exact times and (if
@@ -312,7 +304,7 @@ class TraceArrivals(_Frozen):
         return data
 
     _nb = field_validator("zipf_s", "dirichlet_alpha", "load_scale", "jitter_s", "start_s", mode="before")(
-        _no_bool
+        reject_bool
     )
     _pos = field_validator("dirichlet_alpha", "load_scale")(_finite_positive)
     _nonneg = field_validator("zipf_s", "jitter_s", "start_s")(_finite_nonnegative)
@@ -333,7 +325,7 @@ def _default_kind(value: Any, kind: str) -> Any:
     return value
 
 
-def _lengths_kind(value: Any) -> Any:
+def default_lengths_kind(value: Any) -> Any:
     return _default_kind(value, "lognormal")
 
 
@@ -345,7 +337,7 @@ def _arrivals_kind(value: Any) -> Any:
 # workload
 
 
-class Workload(_Frozen):
+class Workload(FrozenModel):
     """Adapters (registration order), length and arrival laws, and an optional default window."""
 
     adapters: list[Adapter] = Field(min_length=1)
@@ -353,7 +345,7 @@ class Workload(_Frozen):
     arrivals: ArrivalsSpec = PoissonArrivals()
     duration_s: float | None = None
 
-    _lk = field_validator("lengths", mode="before")(_lengths_kind)
+    _lk = field_validator("lengths", mode="before")(default_lengths_kind)
     _ak = field_validator("arrivals", mode="before")(_arrivals_kind)
 
     @field_validator("duration_s")
@@ -389,7 +381,7 @@ class Workload(_Frozen):
         return np.fromiter((a.rate_rps for a in self.adapters), dtype=np.float64, count=len(self.adapters))
 
 
-class _WorkloadFile(_Frozen):
+class WorkloadFile(FrozenModel):
     """The YAML file as written: adapters may be groups, or come from a CSV."""
 
     adapters: list[AdapterEntry] | None = None
@@ -398,9 +390,9 @@ class _WorkloadFile(_Frozen):
     arrivals: ArrivalsSpec = PoissonArrivals()
     duration_s: float | None = None
 
-    _lk = field_validator("lengths", mode="before")(_lengths_kind)
+    _lk = field_validator("lengths", mode="before")(default_lengths_kind)
     _ak = field_validator("arrivals", mode="before")(_arrivals_kind)
-    _nb = field_validator("duration_s", mode="before")(_no_bool)
+    _nb = field_validator("duration_s", mode="before")(reject_bool)
 
     @field_validator("adapters")
     @classmethod
@@ -415,7 +407,7 @@ class _WorkloadFile(_Frozen):
         return None if value is None else _finite_positive(value)
 
     @model_validator(mode="after")
-    def _one_source(self) -> _WorkloadFile:
+    def _one_source(self) -> WorkloadFile:
         if (self.adapters is None) == (self.adapters_csv is None):
             raise ValueError("expected exactly one of 'adapters' (a list) or 'adapters_csv' (a path)")
         n = sum(e.count if isinstance(e, AdapterGroup) else 1 for e in self.adapters or ())
@@ -424,347 +416,9 @@ class _WorkloadFile(_Frozen):
         return self
 
 
-# ---------------------------------------------------------------------------------------------------------
-# error formatting
-
-
-def _loc_str(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _fields_hint(err: dict, root: type[BaseModel]) -> str:
-    """', expected one of: ...' listing the fields allowed where an unknown field was found."""
-    loc = err["loc"]
-    models: dict[Any, type[BaseModel]] = {
-        "adapter": Adapter, "group": AdapterGroup, "poisson": PoissonArrivals, "lognormal": LognormalArrivals,
-        "unpredictable": UnpredictableArrivals, "trace": TraceArrivals,
-    }
-    model = None
-    if len(loc) == 1:
-        model = root
-    elif loc[:-1] == ("lengths",):
-        model = LengthsSpec
-    elif len(loc) >= 2 and loc[-2] in models:
-        model = models[loc[-2]]
-    return f"; expected one of: {', '.join(model.model_fields)}" if model is not None else ""
-
-
-def _error_text(err: dict, root: type[BaseModel]) -> str:
-    """One pydantic error as 'what is expected', without newlines."""
-    kind = err["type"]
-    loc = err["loc"]
-    if kind == "missing":
-        return f"missing field '{loc[-1]}'" if loc else "missing field"
-    if kind == "extra_forbidden":
-        return f"unknown field '{loc[-1]}'{_fields_hint(err, root)}"
-    if kind == "union_tag_invalid":
-        ctx = err.get("ctx", {})
-        return f"expected kind one of {ctx.get('expected_tags', '?')} (got {_short(ctx.get('tag'))})"
-    if kind == "union_tag_not_found":
-        return "expected a mapping with a 'kind' field"
-    msg = err["msg"].removeprefix("Value error, ")
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        msg = "expected a mapping"
-    elif kind == "list_type":
-        msg = "expected a list"
-    inp = err.get("input")
-    if not isinstance(inp, dict | list) and "(got" not in msg:
-        msg += f" (got {_short(inp)})"
-    return " ".join(msg.split())
-
-
-def _spec_error(exc: ValidationError, file: str, lines: dict[tuple, int], data: Any,
-                root: type[BaseModel], base_line: int = 1) -> SpecError:
-    """The first validation error as ``file:line: where: expected ...`` (one line)."""
-    errors = exc.errors(include_url=False)
-    err = errors[0]
-    loc = err["loc"]
-    key_error = err["type"] in ("extra_forbidden", "missing")
-    # Walk the error location through the data; skip pydantic's union tags, which are not data keys.
-    path: list = []
-    node = data
-    line = lines.get((), base_line)
-    for j, part in enumerate(loc):
-        if key_error and j == len(loc) - 1:
-            # the message names the key; point at its own line when it is in the file (unknown keys are)
-            line = lines.get((*path, part), line)
-            break
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-            node = node[part]
-        else:
-            continue
-        path.append(part)
-        line = lines.get(tuple(path), line)
-    where = _loc_str(tuple(path))
-    more = f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    prefix = f"{file}:{line}: " + (f"{where}: " if where else "")
-    return SpecError(prefix + _error_text(err, root) + more)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# YAML with line numbers
-
-
-def _yaml_with_lines(text: str, file: str) -> tuple[Any, dict[tuple, int]]:
-    """Parse YAML; also return the 1-based line of every value (keyed by its path of keys / indices)."""
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark is not None else 1
-        problem = exc.problem or exc.context or "syntax error"
-        raise SpecError(f"{file}:{line}: malformed YAML: {' '.join(str(problem).split())}") from None
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{file}:1: malformed YAML: {' '.join(str(exc).split())}") from None
-    finally:
-        loader.dispose()
-
-    lines: dict[tuple, int] = {}
-
-    def walk(n: yaml.Node, path: tuple) -> None:
-        lines[path] = n.start_mark.line + 1
-        if isinstance(n, yaml.MappingNode):
-            seen: set[str] = set()
-            for key_node, value_node in n.value:
-                if not isinstance(key_node, yaml.ScalarNode):
-                    continue
-                key = key_node.value
-                if key in seen:  # PyYAML silently keeps the last one; a repeated key is a mistake
-                    raise SpecError(f"{file}:{key_node.start_mark.line + 1}: duplicate key '{key}'")
-                seen.add(key)
-                walk(value_node, (*path, key))
-        elif isinstance(n, yaml.SequenceNode):
-            for i, item in enumerate(n.value):
-                walk(item, (*path, i))
-
-    if node is not None:
-        walk(node, ())
-    return data, lines
-
-
-# ---------------------------------------------------------------------------------------------------------
-# CSV with line numbers
-
-
-def iter_csv_rows(path: Path, expected: tuple[str, ...], optional: tuple[str, ...] = (),
-                  error: type[Exception] = SpecError) -> Iterator[tuple[int, dict[str, str]]]:
-    """Yield ``(line, row)`` of a CSV whose header names exactly ``expected`` (+ any of ``optional``).
-
-    Blank lines and lines starting with ``#`` are skipped. Raises ``error`` with ``file:line`` on a wrong
-    header, a wrong number of fields or a CSV syntax error.
-    """
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # -sig: spreadsheet exports start with a BOM
-    except FileNotFoundError:
-        raise error(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise error(f"{path}: cannot read file ({' '.join(str(exc).split())})") from None
-    want = ",".join(expected) + "".join(f"[,{c}]" for c in optional)
-    reader = csv.reader(io.StringIO(text), strict=True)
-    header: list[str] | None = None
-    try:
-        for fields in reader:
-            line = reader.line_num
-            if not fields or all(not f.strip() for f in fields) or fields[0].lstrip().startswith("#"):
-                continue
-            fields = [f.strip() for f in fields]
-            if header is None:
-                names = set(fields)
-                if (len(names) != len(fields) or not set(expected) <= names
-                        or not names <= set(expected) | set(optional)):
-                    raise error(f"{path}:{line}: expected header columns {want}, got {','.join(fields)}")
-                header = fields
-                continue
-            if len(fields) != len(header):
-                raise error(f"{path}:{line}: expected {len(header)} fields ({','.join(header)}), got {len(fields)}")
-            yield line, dict(zip(header, fields, strict=True))
-    except csv.Error as exc:
-        raise error(f"{path}:{reader.line_num}: malformed CSV: {' '.join(str(exc).split())}") from None
-    if header is None:
-        raise error(f"{path}:1: empty file; expected header columns {want}")
-
-
-def load_adapters_csv(path: str | Path) -> list[Adapter]:
-    """Adapters from a CSV ``adapter_id,rank,rate_rps[,path]`` (registration order = row order)."""
-    path = Path(path)
-    adapters: list[Adapter] = []
-    first_line: dict[str, int] = {}
-    for line, row in iter_csv_rows(path, ADAPTER_COLUMNS, ADAPTER_OPTIONAL_COLUMNS):
-        try:
-            adapter = Adapter.model_validate(row)
-        except ValidationError as exc:
-            raise _spec_error(exc, str(path), {(): line}, row, Adapter, base_line=line) from None
-        if adapter.adapter_id in first_line:
-            raise SpecError(f"{path}:{line}: adapter_id: duplicate id '{adapter.adapter_id}' (first on line "
-                            f"{first_line[adapter.adapter_id]}); expected unique ids")
-        first_line[adapter.adapter_id] = line
-        adapters.append(adapter)
-    if not adapters:
-        raise SpecError(f"{path}:2: no adapters; expected at least one row after the header")
-    return adapters
-
-
-# ---------------------------------------------------------------------------------------------------------
-# loading
-
-
-def _resolve(base: Path, value: str) -> str:
-    p = Path(value).expanduser()
-    return str(p if p.is_absolute() else (base / p).resolve())
-
-
-def validate_yaml_file(path: Path, model: type[BaseModel], expected: str) -> tuple[Any, dict[tuple, int]]:
-    """Read a YAML mapping and validate it as ``model``; every problem is a one-line ``SpecError`` with the
-    file and line. ``expected`` describes the top level for the "not a mapping" message. Returns
-    ``(validated model, line numbers by key path)``."""
-    file = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read file ({' '.join(str(exc).split())})") from None
-    data, lines = _yaml_with_lines(text, file)
-    if not isinstance(data, dict):
-        raise SpecError(f"{file}:{lines.get((), 1)}: expected a mapping with {expected}")
-    try:
-        return model.model_validate(data), lines
-    except ValidationError as exc:
-        raise _spec_error(exc, file, lines, data, model) from None
-
-
-def _load_yaml(path: Path) -> Workload:
-    file = str(path)
-    spec, lines = validate_yaml_file(
-        path, _WorkloadFile, "'adapters' or 'adapters_csv' (and optional lengths, arrivals, duration_s)")
-
-    base = path.parent
-    if spec.adapters_csv is not None:
-        csv_path = Path(_resolve(base, spec.adapters_csv))
-        _check_data_file(csv_path, file, lines[("adapters_csv",)], "adapters_csv")
-        adapters = load_adapters_csv(csv_path)
-    else:
-        assert spec.adapters is not None
-        # expand in one pass so group numbering runs across the whole list, then check ids with lines
-        adapters = expand_adapters(spec.adapters)
-        owner = [i for i, e in enumerate(spec.adapters) for _ in range(e.count if isinstance(e, AdapterGroup) else 1)]
-        first: dict[str, int] = {}
-        for a, i in zip(adapters, owner, strict=True):
-            line = lines.get(("adapters", i), 1)
-            if a.adapter_id in first:
-                raise SpecError(f"{file}:{line}: adapters[{i}]: duplicate adapter_id '{a.adapter_id}' "
-                                f"(first on line {first[a.adapter_id]}); expected unique ids")
-            first[a.adapter_id] = line
-
-    lengths = spec.lengths
-    if lengths.path is not None:
-        lengths = lengths.model_copy(update={"path": _resolve(base, lengths.path)})
-        _check_data_file(Path(lengths.path), file, lines.get(("lengths", "path"), 1), "lengths.path")
-    arrivals = spec.arrivals
-    if isinstance(arrivals, TraceArrivals):
-        arrivals = arrivals.model_copy(update={"path": _resolve(base, arrivals.path)})
-        _check_data_file(Path(arrivals.path), file, lines.get(("arrivals", "path"), 1), "arrivals.path")
-    workload = Workload(adapters=adapters, lengths=lengths, arrivals=arrivals, duration_s=spec.duration_s)
-    _load_data_files(workload, f"{file}:{lines.get(('lengths',), 1)}")
-    return workload
-
-
-def _check_data_file(path: Path, file: str, line: int, where: str) -> None:
-    from .checks import input_file_problem
-
-    problem = input_file_problem(path)
-    if problem == "file not found":
-        raise SpecError(f"{file}:{line}: {where}: file not found: {path}")
-    if problem is not None:
-        raise SpecError(f"{file}:{line}: {where}: {path}: {problem}")
-
-
-def _load_data_files(workload: Workload, where: str | None) -> None:
-    """Parse referenced data files (and solve the length model) now, so a bad trace fails at load time.
-
-    Data files raise ``DataError`` naming their own file and line; an unreachable length target raises a
-    ``SpecError`` prefixed with ``where`` (``file:line``).
-    """
-    from .workload.lengths import load_lengths_table  # lazy: the workload package imports this module
-    from .workload.trace import load_trace
-
-    if workload.lengths.kind == "empirical":
-        assert workload.lengths.path is not None
-        load_lengths_table(workload.lengths.path)
-    if isinstance(workload.arrivals, TraceArrivals):
-        load_trace(workload.arrivals.path)
-    if workload.lengths.kind == "lognormal" and not (
-        isinstance(workload.arrivals, TraceArrivals) and workload.arrivals.trace_lengths
-    ):
-        from .workload.lengths import solve_lognormal_lengths
-
-        try:
-            solve_lognormal_lengths(
-                workload.lengths.mean_input_tokens, workload.lengths.mean_output_tokens, workload.lengths.cv
-            )
-        except SpecError as exc:
-            if where is None:
-                raise
-            raise SpecError(f"{where}: {exc}") from None
-
-
-def load_workload(path: str | Path) -> Workload:
-    """Load a workload from ``.yaml``/``.yml`` (full spec) or ``.csv`` (adapters only, defaults for the rest)."""
-    path = Path(path)
-    if not path.exists():
-        raise SpecError(f"{path}: file not found")
-    if not path.is_file():
-        raise SpecError(f"{path}: not a file")
-    suffix = path.suffix.lower()
-    if suffix in (".yaml", ".yml"):
-        return _load_yaml(path)
-    if suffix == ".csv":
-        workload = Workload(adapters=load_adapters_csv(path))
-        _load_data_files(workload, str(path))
-        return workload
-    raise SpecError(f"{path}: unknown workload file type '{path.suffix}'; expected .yaml, .yml or .csv")
-
-
-def with_mean_lengths(workload: Workload, mean_input_tokens: float | None = None,
-                      mean_output_tokens: float | None = None) -> Workload:
-    """A copy of ``workload`` with its length means overridden (None keeps the current value)."""
-    lengths = workload.lengths
-    if mean_input_tokens is None and mean_output_tokens is None:
-        return workload
-    if lengths.kind == "empirical":
-        raise SpecError("mean token overrides apply to fixed or lognormal lengths, not 'empirical' ones")
-    update = lengths.model_dump()
-    if mean_input_tokens is not None:
-        update["mean_input_tokens"] = mean_input_tokens
-    if mean_output_tokens is not None:
-        update["mean_output_tokens"] = mean_output_tokens
-    try:
-        new_lengths = LengthsSpec.model_validate(update)
-    except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        raise SpecError(f"lengths.{_loc_str(err['loc'])}: {_error_text(err, LengthsSpec)}") from None
-    out = workload.model_copy(update={"lengths": new_lengths})
-    _load_data_files(out, None)
-    return out
-
-
-def example_workload(name: str = "demo.yaml") -> Path:
-    """Path of a shipped example workload (``demo.yaml``, ``adapters.csv``)."""
-    path = EXAMPLES_DIR / name
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.name for p in EXAMPLES_DIR.glob("*") if p.suffix in (".yaml", ".csv")))
-        raise SpecError(f"no shipped example '{name}'; expected one of: {shipped}")
-    return path
+# the models below the top level of a file, by key or union tag: the "expected one of: ..." hint of an
+# unknown field lists the fields of the model it was found in (``textfiles.validation_error``)
+FIELD_MODELS: dict[str, type[BaseModel]] = {
+    "lengths": LengthsSpec, "adapter": Adapter, "group": AdapterGroup, "poisson": PoissonArrivals,
+    "lognormal": LognormalArrivals, "unpredictable": UnpredictableArrivals, "trace": TraceArrivals,
+}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .checks import check_limit, check_workers
 from .errors import DataError, LorapackError, ProfileError, SpecError
-from .guards import Limits, check, estimate_workload, profile_step_coef
+from .guards import Limits, check, profile_step_coef
 from .profile import Profile
 from .realruns import (
     VALIDATE_COLUMNS,
@@ -26,6 +26,7 @@ from .realruns import (
     startup_prediction,
 )
 from .twin.metrics import RunMetrics
+from .workload.cost import estimate_workload
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from ..checks import check_output_dir, check_output_file
 from ..errors import DataError
 from ..profile import Priors, Profile, save_profile
 from ..realruns import RunComparison, compare_runs, run_group, score_runs
-from .priors import _floats, fit_priors_from, lora_overhead_points
+from .priors import fit_priors_from, lora_overhead_points, plain_scalars
 from .refine import (
     DEFAULT_FREE,
     FREE_PARAMS,
@@ -111,7 +111,7 @@ def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] 
                    "overhead = ITL - ITL of the no-LoRA run) as extra residuals",
         "seeds": list(seeds), "lengths": lengths, "stages": stages,
     }
-    return prof, _floats(prov)
+    return prof, plain_scalars(prov)
 
 
 def validate_profile(prof: Profile, rows: list[dict], *, seeds: Sequence[int] = (0,), lengths: str = "lognormal",
@@ -173,14 +173,14 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
         s_ref, table = validate_profile(prof, rows, seeds=seed_list, lengths=lengths, workers=workers)
         prov["stage"] = "priors (twin.md section 3.5 step 1) + simulation-based refinement (step 2)"
         prov["refinement"] = p_ref
-        prov["validation"] = _floats({"runs": Path(runs).name, "runs_sha256": _sha256(Path(runs)),
+        prov["validation"] = plain_scalars({"runs": Path(runs).name, "runs_sha256": _sha256(Path(runs)),
                                       "seeds": seeds, "lengths": lengths,
                                       "scores_note": "SMAPE without the factor 2 (paper convention); *_2x with it; "
                                                      "TTFT = completed-only mean; agreement = share of labels",
                                       "priors": s_prior, "refined": s_ref})
         summary["refinement"] = p_ref
         summary["validation"] = prov["validation"]
-    final = prof.model_copy(update={"priors": Priors(steptime=prior.steptime), "provenance": _floats(prov)})
+    final = prof.model_copy(update={"priors": Priors(steptime=prior.steptime), "provenance": plain_scalars(prov)})
     Profile.model_validate(final.model_dump(mode="json"))  # what is written must load back
     if report is not None:
         from .report import write_report

@@ -126,12 +126,12 @@ def _ols(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-def _floats(d: dict[str, Any]) -> dict[str, Any]:
+def plain_scalars(d: dict[str, Any]) -> dict[str, Any]:
     """Plain Python scalars (numpy scalars do not serialise with yaml.safe_dump)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out[k] = _floats(v)
+            out[k] = plain_scalars(v)
         elif isinstance(v, np.integer | int) and not isinstance(v, bool):
             out[k] = int(v)
         elif isinstance(v, np.floating | float):
@@ -506,7 +506,7 @@ def fit_priors_from(profiling_dir: str | Path, runs_csv: str | Path | None, mode
     steptime = StepTimeModel(c0_ms=c0, c1_ms_per_req=c1, p1_ms_per_prefill_token=p1, a3_ms_per_kctx=0.0,
                              lora_form="additive", e0_ms=e0, e1_ms_per_token=e1, e2_ms_per_adapter=e2,
                              e3_ms_per_kreq_adapter=0.0, gamma=0.0, k0_pct=k0, k1_pct_per_adapter=k1)
-    provenance = _floats({
+    provenance = plain_scalars({
         "generated_by": "lorapack.calibrate.priors.fit_priors_from",
         "stage": "priors (twin.md section 3.5 step 1)",
         "lorapack_version": __version__,

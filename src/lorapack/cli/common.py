@@ -25,24 +25,12 @@ from rich.console import Console
 from ..checks import atomic_path, check_limit, check_output_dir, check_output_file, check_workers
 from ..errors import SpecError
 from ..guards import Limits, limits_help
+from ..textfiles import json_safe
 
 # pipes and CI get 80 columns by default, too narrow for the tables
 console = Console() if sys.stdout.isatty() else Console(width=140)
 err_console = Console(stderr=True)
 DEBUG = {"on": False}
-
-
-def json_safe(x: Any) -> Any:
-    """NaN/inf become null; numpy scalars become Python numbers."""
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [json_safe(v) for v in x]
-    if hasattr(x, "item") and not isinstance(x, str):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 def print_json(obj: Any) -> None:

@@ -35,7 +35,7 @@ def _demo_scenario(model: str, tmp: Path) -> tuple[object, str]:
     from dataclasses import replace
 
     from ..evaluate.scenario import load_scenarios
-    from ..spec import example_workload
+    from ..workload import example_workload
 
     src = example_workload("demo-scenario.yaml")
     text = src.read_text()
@@ -67,8 +67,8 @@ def demo(
     half-hour through the twin, and show GPUs used against the lower bound."""
     import tempfile
 
-    from ..evaluate.methods import default_placer
     from ..evaluate.parallel import PoolMapper
+    from ..evaluate.placers import default_placer
     from ..evaluate.runner import evaluate_scenarios
     from ..placement.export import check_out_dir, write_outputs
     from ..placement.plan import plan_from_dict

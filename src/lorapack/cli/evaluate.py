@@ -58,8 +58,8 @@ def evaluate(
     the plans through the twin per GPU, and report GPUs, lower bound, starvation, OOM, throughput, latency."""
     from dataclasses import replace
 
-    from ..evaluate.methods import check_methods, default_placer
     from ..evaluate.parallel import PoolMapper
+    from ..evaluate.placers import check_methods, default_placer
     from ..evaluate.report import contract_json, write_outputs, write_results
     from ..evaluate.runner import evaluate_scenarios
     from ..evaluate.scenario import OBJECTIVE_NAMES, load_scenarios

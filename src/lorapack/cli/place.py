@@ -76,7 +76,7 @@ def place(
     from ..placement.api import check_method
     from ..placement.export import Endpoints, check_out_dir, write_outputs
     from ..placement.problem import instance_from_workload
-    from ..spec import load_workload
+    from ..workload import load_workload
 
     # every check before any work: method, flags, output directory, profile, workload
     check_method(method)

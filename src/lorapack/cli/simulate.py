@@ -88,10 +88,10 @@ def simulate(
     json_out: JsonOpt = False,
 ) -> None:
     """Simulate one vLLM server serving WORKLOAD's adapters and report throughput, latency, starvation."""
-    from ..spec import load_workload, with_mean_lengths
     from ..twin.engine import warm_up
     from ..twin.run import ServerFlags
     from ..twin.run import simulate as run_sim
+    from ..workload import load_workload, with_mean_lengths
 
     if timeline is not None:  # before any work: a bad path is an error now, not after the run
         check_output_file(timeline, "--timeline")

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import SpecError
 from ..placement.plan import Plan
 from ..profile import Profile
 from ..spec import Workload
@@ -64,20 +63,3 @@ class Placer(Protocol):
     def place(self, workload: Workload, profile: Profile, req: PlaceRequest) -> Plan:
         """A plan (``infeasible`` set when the method declares the workload infeasible on the pool)."""
         ...
-
-
-def check_methods(names: list[str] | tuple[str, ...], placer: Placer | None = None) -> None:
-    """Raise ``SpecError`` naming the first unknown method."""
-    known = (placer or default_placer()).methods()
-    for m in names:
-        if m not in known:
-            raise SpecError(f"unknown method '{m}'; expected one of: {', '.join(known)}")
-
-
-def default_placer(workers: int = 1) -> Placer:
-    """lorapack's placement methods (``lorapack.placement``); ``workers`` processes for their twin runs."""
-    try:
-        from .placement_api import PlacementPlacer
-    except ImportError as exc:  # placement methods not installed in this build
-        raise SpecError(f"the placement methods are not available ({exc})") from None
-    return PlacementPlacer(workers=workers)

@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..cli.common import json_safe
+from ..textfiles import json_safe
 from .runner import CONTRACT_KEYS
 
 BASELINES = ("dlora", "loraserve", "least-adapters", "round-robin", "proposed-lat")

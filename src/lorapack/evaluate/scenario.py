@@ -43,7 +43,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..errors import SpecError
-from ..spec import _Frozen, _no_bool, validate_yaml_file
+from ..spec import FIELD_MODELS, FrozenModel, reject_bool
+from ..textfiles import validate_yaml_file
 from ..workload.derive import DEFAULT_JITTER_S, DEFAULT_SPLIT_S, PROTOCOLS, AdapterWeights, parse_weights
 
 SHIPPED_TRACES = {"azure-conv": "azure-llm-2023-conv.csv", "azure-code": "azure-llm-2023-code.csv"}
@@ -62,14 +63,14 @@ def _distinct(values: list) -> list:
     return values
 
 
-class WindowsSpec(_Frozen):
+class WindowsSpec(FrozenModel):
     """Estimation / replay windows (``lorapack.workload.derive``)."""
 
     protocol: Literal["E1", "E2", "E3"] = "E1"
     split_s: float = DEFAULT_SPLIT_S
     jitter_s: float = DEFAULT_JITTER_S
 
-    _nb = field_validator("split_s", "jitter_s", mode="before")(_no_bool)
+    _nb = field_validator("split_s", "jitter_s", mode="before")(reject_bool)
 
     @field_validator("split_s")
     @classmethod
@@ -86,7 +87,7 @@ class WindowsSpec(_Frozen):
         return value
 
 
-class ObjectiveSpec(_Frozen):
+class ObjectiveSpec(FrozenModel):
     """Latency limits per GPU (any subset); ``default`` / ``throughput`` name the placement presets."""
 
     max_ttft_s: float | None = None
@@ -97,7 +98,7 @@ class ObjectiveSpec(_Frozen):
     @field_validator(*OBJECTIVE_KEYS, mode="before")
     @classmethod
     def _positive(cls, value: Any) -> Any:
-        _no_bool(value)
+        reject_bool(value)
         if value is not None and (not isinstance(value, int | float) or not math.isfinite(value) or value <= 0):
             raise ValueError("expected a finite number > 0")
         return value
@@ -113,7 +114,7 @@ class ObjectiveSpec(_Frozen):
                         if getattr(self, k) is not None)
 
 
-class ScenarioFile(_Frozen):
+class ScenarioFile(FrozenModel):
     """A scenario YAML as written (see the module docstring)."""
 
     name: str | None = None
@@ -167,7 +168,7 @@ class ScenarioFile(_Frozen):
     def _no_bools(cls, value: Any) -> Any:
         for v in value if isinstance(value, list) else [value]:
             for x in v if isinstance(v, list) else [v]:
-                _no_bool(x)
+                reject_bool(x)
         return value
 
     @field_validator("n_adapters")
@@ -368,7 +369,8 @@ def load_scenarios(path: str | Path) -> list[Scenario]:
         raise SpecError(f"{path}: expected a scenario .yaml/.yml file")
     file = str(path)
     spec, lines = validate_yaml_file(path, ScenarioFile, "n_adapters (and optional trace, model, weights, "
-                                                         "load_scale, ranks, windows, fixed_pool, objective, ...)")
+                                                         "load_scale, ranks, windows, fixed_pool, objective, ...)",
+                                     FIELD_MODELS)
 
     def at(key: str) -> str:
         return f"{file}:{lines.get((key,), 1)}: {key}"
@@ -404,7 +406,7 @@ def load_scenarios(path: str | Path) -> list[Scenario]:
                                 f"{', '.join(choices) or '(none on this gpu)'}")
 
     if spec.methods is not None:
-        from .methods import check_methods
+        from .placers import check_methods
 
         try:
             check_methods(spec.methods)

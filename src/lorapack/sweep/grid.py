@@ -46,7 +46,8 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from ..errors import SpecError
-from ..spec import LengthsSpec, _Frozen, _lengths_kind, _no_bool, validate_yaml_file
+from ..spec import FIELD_MODELS, FrozenModel, LengthsSpec, default_lengths_kind, reject_bool
+from ..textfiles import validate_yaml_file
 
 # version of the config -> workload mapping; part of every config_id (bump it when the mapping changes)
 ASSIGNMENT_SCHEME = "round-robin+seeded-shuffle/v1"
@@ -75,7 +76,7 @@ def _check_rates(rates: list[float]) -> None:
             raise ValueError(f"expected finite rates > 0 (got {r})")
 
 
-class GridSpec(_Frozen):
+class GridSpec(FrozenModel):
     """A sweep grid as written in YAML (see the module docstring)."""
 
     name: str = "grid"
@@ -91,12 +92,12 @@ class GridSpec(_Frozen):
     duration_s: float = 3600.0
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
 
-    _lk = field_validator("lengths", mode="before")(_lengths_kind)
+    _lk = field_validator("lengths", mode="before")(default_lengths_kind)
 
     @field_validator("rate_tuple_size", "duration_s", mode="before")
     @classmethod
     def _not_bool(cls, value: Any) -> Any:
-        return _no_bool(value)
+        return reject_bool(value)
 
     @field_validator("rate_pool_rps", "rate_tuples", "rank_tuples", "served_adapters", "adapter_slots",
                      "seeds", mode="before")
@@ -105,7 +106,7 @@ class GridSpec(_Frozen):
         if isinstance(value, list):
             for item in value:
                 for x in item if isinstance(item, list) else [item]:
-                    _no_bool(x)
+                    reject_bool(x)
         return value
 
     @field_validator("rate_pool_rps")
@@ -365,7 +366,7 @@ def load_grid(path: str | Path) -> GridSpec:
     if not path.is_file():
         raise SpecError(f"{path}: file not found" if not path.exists() else f"{path}: not a file")
     grid, lines = validate_yaml_file(path, GridSpec, "model, rank_tuples, served_adapters, adapter_slots and "
-                                                     "rate_pool_rps or rate_tuples")
+                                                     "rate_pool_rps or rate_tuples", FIELD_MODELS)
     problem = _profile_problem(grid)
     if problem is not None:
         key, msg = problem

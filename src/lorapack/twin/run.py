@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import SpecError
-from ..guards import Limits, check, estimate_workload
+from ..guards import Limits, check
 from ..profile import Profile
+from ..workload.cost import estimate_workload
 from .early import EarlyStopOptions, run_with_early_stop
 from .engine import simulate_fast
 from .metrics import RunMetrics, ServerSettings, compute_metrics

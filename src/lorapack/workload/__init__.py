@@ -1,12 +1,13 @@
 """Workload generation: arrivals (Poisson, log-normal, unpredictable, trace replay) and request lengths.
 
-Entry points: ``generate_requests(workload, duration_s, seed) -> RequestArrays`` and
-``adapter_ranks(workload)``; the spec itself (and ``load_workload``) lives in ``lorapack.spec``.
+Entry points: ``load_workload(path)`` (``files``), ``generate_requests(workload, duration_s, seed) ->
+RequestArrays`` and ``adapter_ranks(workload)``; the validated models live in ``lorapack.spec``.
 """
 
 from __future__ import annotations
 
-from ..spec import Workload, load_workload
+from ..spec import Workload
+from .files import example_workload, load_adapters_csv, load_workload, with_mean_lengths
 from .generate import (
     STREAM_ARRIVALS,
     STREAM_LENGTHS,
@@ -29,7 +30,9 @@ __all__ = [
     "Workload",
     "adapter_arrival_times",
     "adapter_ranks",
+    "example_workload",
     "generate_requests",
+    "load_adapters_csv",
     "load_lengths_table",
     "load_trace",
     "load_workload",
@@ -37,4 +40,5 @@ __all__ = [
     "solve_lognormal_lengths",
     "stream_rng",
     "unpredictable_rate_multipliers",
+    "with_mean_lengths",
 ]

@@ -23,7 +23,8 @@ from scipy.optimize import root
 from scipy.special import ndtr, ndtri
 
 from ..errors import DataError, SpecError
-from ..spec import LengthsSpec, iter_csv_rows
+from ..spec import LengthsSpec
+from ..textfiles import iter_csv_rows
 
 # ShareGPT filter of the reference runs (twin.md §5)
 MIN_TOKENS = 4

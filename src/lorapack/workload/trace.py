@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
-from ..spec import iter_csv_rows
+from ..textfiles import iter_csv_rows
 from .lengths import call_cached_by_file
 
 TRACE_COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
