@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit
 
 from ..oracle import Oracle, default_slot_rank
 from ..profile import Profile
+from ..twin.jitcache import cached_njit
 from .greedy import SLOT_GRID, GpuFill, GreedyOptions, MemoryRule
 from .problem import Instance, Objective
 
@@ -161,7 +161,7 @@ def dlora_slot_weight(profile: Profile, rank: int) -> int:
     return int(round(max(vals))) if vals else int(round(m.kv_tokens_per_slot_rank * s + m.kv_tokens_per_slot))
 
 
-@njit(cache=True)
+@cached_njit()  # cached in the user cache directory: a read-only install stays untouched
 def _dlora_first_phase(expected: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     """The order in which the selection rule allocates each adapter's first replica (see ``dlora``)."""
     m = len(expected)

@@ -1,4 +1,8 @@
-"""Where the twin's compiled machine code is cached: a user cache directory, never the installed package.
+"""Where lorapack's compiled machine code is cached: a user cache directory, never the installed package.
+
+Every ``cache=True`` function of lorapack is declared with ``cached_njit`` (the engine, placement's compiled
+helpers): numba's default would write next to the source file, and refuse to import at all on a read-only
+install without a writable home directory.
 
 numba keys a cached function by its own source file only, but the engine inlines the step-time code of
 ``steptime.py``: the directory is therefore named after a hash of both files, so a change of either gets
