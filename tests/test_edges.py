@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 
 from edge_cases import CASES, DATA, EXAMPLES, LLAMA, Case, _sub, _tree, run_case
 from edge_worker import encode
@@ -378,3 +379,108 @@ def test_sweep_failure_leaves_no_store(tmp_path: Path, monkeypatch) -> None:
     summary = run_sweep(load_grid(grid), tmp_path / "sw", workers=1)  # starts afresh, no --resume needed
     assert summary["rows"] == 1 and sorted(p.name for p in (tmp_path / "sw").iterdir() if p.name[0] != "p") == [
         "_sweep.json"]
+
+
+# ---- operator-facing output: the --max-loras scan, starved adapters by name, 80 columns ----------------------
+
+
+def _narrow() -> Console:
+    return Console(width=80, record=True, color_system=None)
+
+
+def _assert_fits(con: Console) -> str:
+    text = con.export_text()
+    too_long = [ln for ln in text.splitlines() if len(ln.rstrip()) > 80]
+    assert not too_long, too_long
+    assert "…" not in text, text  # rich's ellipsis: a value or header was cut
+    return text
+
+
+def test_scan_json_list_and_starved_ids(tmp_path: Path) -> None:
+    wl = tmp_path / "hot.yaml"
+    wl.write_text("adapters:\n  - {count: 24, rank: 16, rate_rps: 0.6, id_prefix: hot}\n")
+    from typer.testing import CliRunner
+
+    from lorapack.cli import app
+
+    res = CliRunner().invoke(app, ["simulate", str(wl), "-m", LLAMA, "--max-loras", "1,24", "--duration-s", "600",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    runs = json.loads(res.stdout)
+    assert [r["server"]["max_loras"] for r in runs] == [1, 24]
+    one = runs[0]
+    # new keys are added, the sweep's columns keep their names
+    assert {"adapter_starved", "adapters_starved", "starved_adapter_indices", "starved_adapter_ids"} <= set(one)
+    assert one["adapters_starved"] == len(one["starved_adapter_ids"]) > 0 and one["adapter_starved"] is True
+    assert one["starved_adapter_ids"] == [f"hot-{i}" for i in one["starved_adapter_indices"]]
+    single = json.loads(CliRunner().invoke(app, ["simulate", str(wl), "-m", LLAMA, "-a", "24", "--duration-s", "60",
+                                                 "--json"]).stdout)
+    assert isinstance(single, dict) and single["server"]["max_loras"] == 24  # one value: one object, as before
+
+
+def test_layouts_fit_80_columns(monkeypatch, tmp_path: Path) -> None:
+    from lorapack.cli import calibrate as cli_calibrate
+    from lorapack.cli import profiles as cli_profiles
+    from lorapack.cli import simulate as cli_simulate
+    from lorapack.profile import find_profile
+    from lorapack.spec import load_workload
+    from lorapack.twin.run import ServerFlags, simulate
+
+    prof = find_profile(LLAMA)
+    wl = load_workload(EXAMPLES / "demo.yaml")
+    hot = tmp_path / "hot.yaml"
+    hot.write_text("adapters:\n  - {count: 40, rank: 16, rate_rps: 0.6, id_prefix: a-rather-long-adapter-name}\n")
+    starving = load_workload(hot)
+    runs = [simulate(prof, wl, ServerFlags(max_loras=a), 300.0, 0)[0] for a in (4, 64, 100000)]
+    bad, _ = simulate(prof, starving, ServerFlags(max_loras=2), 600.0, 0)
+    assert bad.n_adapters_starved > 8 and runs[-1].oom
+
+    con = _narrow()
+    cli_simulate.render_run(bad, starving.adapter_ids, "llama-3.1-8b-instruct on h100-64gb: 40 adapters, 600 s, "
+                                                       "seed 0", con)
+    text = _assert_fits(con)
+    for flag in ("--max-loras", "--max-lora-rank", "--max-cpu-loras", "--max-num-seqs", "--max-num-batched-tokens"):
+        assert flag in text  # headers speak vLLM's flag names
+    assert "a-rather-long-adapter-name-0" in text and "more" in text and "A=" not in text
+
+    con = _narrow()
+    cli_simulate.render_scan(runs, "llama-3.1-8b-instruct on h100-64gb: 64 adapters, 300 s, seed 0", con)
+    text = _assert_fits(con)
+    assert "--max-loras" in text and "oom" in text and "smallest safe --max-loras: 4" in text
+
+    con = _narrow()
+    monkeypatch.setattr(cli_profiles, "console", con)
+    cli_profiles.profiles()
+    assert "llama-3.1-8b-instruct" in _assert_fits(con)
+
+    scores = {"smape_throughput": 1.31, "smape_itl": 3.0, "smape_ttft": 7.09, "smape_throughput_2x": 2.62,
+              "smape_itl_2x": 5.99, "starved_agreement": 0.98, "starved_agreement_clear": 1.0, "oom_agreement": 1.0}
+    summary = {
+        "fits": {"memory": {"parameters": {"kv_tokens_base": 307528.7225, "kv_tokens_per_slot_rank": 43.9789},
+                            "r2": 0.9996, "rmse": 1052.2, "n_points": 28},
+                 "scheduler": {"parameters": {"ms_per_waiting_slot_ratio": 0.0003, "baseline_ms": 0.1964},
+                               "r2": 0.89, "rmse": 0.59, "n_points": 788},
+                 "loading": {"parameters": {"disk_medians_ms": {"8": 67.05, "16": 82.77, "32": 125.5}},
+                             "n_points": 300}},
+        "refinement": {"free": {"e1p": {"field": "steptime.e1p_ms_per_prefill_token", "unit": "ms/token",
+                                        "prior": 0.0123, "refined": 0.0456}}},
+        "validation": {"runs": "calibration.csv", "seeds": 1, "lengths": "lognormal", "priors": scores,
+                       "refined": scores},
+    }
+    con = _narrow()
+    cli_calibrate.render_calibration(summary, LLAMA, "h100-64gb", con)
+    text = _assert_fits(con)
+    assert "kv_tokens_base=307,528.7225" in text and "ms_per_waiting_slot_ratio=0.0003" in text
+
+    # validate: one column per model
+    from typer.testing import CliRunner
+
+    from lorapack.cli import app
+    from lorapack.cli import validate as cli_validate
+
+    runs_csv = tmp_path / "runs.csv"
+    runs_csv.write_text(CASES[[c.name for c in CASES].index("validate --limit 0")].files["runs.csv"])
+    con = _narrow()
+    monkeypatch.setattr(cli_validate, "console", con)
+    assert CliRunner().invoke(app, ["validate", str(runs_csv), "--workers", "1"]).exit_code == 0
+    assert "SMAPE throughput %" in _assert_fits(con)
