@@ -224,49 +224,81 @@ def _time_sorted(arrays: list[np.ndarray]) -> list[np.ndarray]:
 
 DEMO = str(EXAMPLES / "demo.yaml")
 LLAMA_PROFILE = str(EXAMPLES.parent / "profiles" / f"h100-64gb__vllm-0.8.5__{LLAMA}.yaml")
-OPTION_VALUES: dict[str, list] = {
-    "--max-loras": [8, 1, 0, -3, "4,8", "8,0", "abc", 10**12],
-    "--duration-s": [20, 0, -1, "nan", "inf", "1e15", "1e-9"],
-    "--seed": [0, 3, -1],
-    "--max-num-seqs": [2048, 1, 0, -5, 10**19],
-    "--max-num-batched-tokens": [2048, 16, 0, -1],
-    "--max-lora-rank": [16, 8, 0, 512],
-    "--max-cpu-loras": [64, 4, 0],
-    "--max-model-len": [4096, 0, 10**7],
-    "--client-cap": [0, 100, -1],
-    "--mean-input-tokens": [300, 0, "1e12", "nan"],
-    "--mean-output-tokens": [100, -1],
-    "--model": [LLAMA, "qwen-2.5-7b-instruct", "gpt-5"],
-    "--gpu": ["h100-64gb", "a100"],
+COMMON: dict[str, list] = {
     "--profile": [LLAMA_PROFILE, "{tmp}", "{tmp}/missing.yaml"],
-    "--timeline": ["{tmp}/tl.csv", "{tmp}", "{tmp}/no/tl.csv"],
+    "--gpu": ["h100-64gb", "a100"],
+    "--workers": [1, 0, -1],
+    "--limit": [1, 0, -2],
 }
-FLAGS = ["--early-stop", "--cold-start", "--force", "--json"]
-WORKLOADS = [DEMO, "{tmp}", "{tmp}/missing.yaml", "{tmp}/bad.csv"]
+OPTIONS: dict[str, dict[str, list]] = {
+    "simulate": {
+        "--max-loras": [8, 1, 0, -3, "4,8", "8,0", "abc", 10**12],
+        "--duration-s": [20, 0, -1, "nan", "inf", "1e15", "1e-9"],
+        "--seed": [0, 3, -1],
+        "--max-num-seqs": [2048, 1, 0, -5, 10**19],
+        "--max-num-batched-tokens": [2048, 16, 0, -1],
+        "--max-lora-rank": [16, 8, 0, 512],
+        "--max-cpu-loras": [64, 4, 0],
+        "--max-model-len": [4096, 0, 10**7],
+        "--client-cap": [0, 100, -1],
+        "--mean-input-tokens": [300, 0, "1e12", "nan"],
+        "--mean-output-tokens": [100, -1],
+        "--model": [LLAMA, "qwen-2.5-7b-instruct", "gpt-5"],
+        "--gpu": COMMON["--gpu"], "--profile": COMMON["--profile"],
+        "--timeline": ["{tmp}/tl.csv", "{tmp}", "{tmp}/no/tl.csv"],
+    },
+    "validate": {
+        "--seeds": [1, 0], "--lengths": ["fixed", "lognormal", "zipf"], "--out": ["{tmp}/v.csv", "{tmp}",
+                                                                                 "{tmp}/no/v.csv"],
+        **{k: COMMON[k] for k in ("--profile", "--gpu", "--workers", "--limit")},
+    },
+    "sweep": {
+        "--out": ["{tmp}/sw", "{tmp}/bad.csv", "{tmp}/no/sw"], "--backend": ["local", "spark"],
+        "--seed": [0, -1], "--early-stop-tests": ["certain", "sometimes"], "--model": [LLAMA, "gpt-5"],
+        **{k: COMMON[k] for k in ("--workers", "--limit")},
+    },
+}
+FLAGS = {"simulate": ["--early-stop", "--cold-start", "--force", "--json"], "validate": ["--force", "--json"],
+         "sweep": ["--force", "--json", "--resume", "--no-prune"]}
+ARGUMENTS = {"simulate": [DEMO, "{tmp}", "{tmp}/missing.yaml", "{tmp}/bad.csv"],
+             "validate": ["{tmp}/runs.csv", "{tmp}", "{tmp}/bad.csv"],
+             "sweep": ["{tmp}/g.yaml", "{tmp}/big.yaml", "{tmp}/bad.csv"]}
+CLI_FILES = {"bad.csv": "adapter_id,rank,rate_rps\na,8,-1\n",
+             "runs.csv": CASES[[c.name for c in CASES].index("validate --limit 0")].files["runs.csv"],
+             "g.yaml": CASES[[c.name for c in CASES].index("sweep --out is a file")].files["g.yaml"],
+             "big.yaml": CASES[[c.name for c in CASES].index("sweep rate_pool_rps [1e9]")].files["g.yaml"]}
 
 
 @st.composite
-def simulate_argv(draw) -> list[str]:
-    argv = ["simulate", draw(st.sampled_from(WORKLOADS))]
-    opts = draw(st.lists(st.sampled_from(sorted(OPTION_VALUES)), unique=True, max_size=6))
-    if "--max-loras" not in opts and draw(st.booleans()):
-        opts.append("--max-loras")
-    if "--model" not in opts and "--profile" not in opts and draw(st.integers(0, 3)):
-        opts.append("--model")
+def cli_argv(draw) -> list[str]:
+    cmd = draw(st.sampled_from(sorted(OPTIONS)))
+    pool = OPTIONS[cmd]
+    argv = [cmd, draw(st.sampled_from(ARGUMENTS[cmd]))]
+    opts = draw(st.lists(st.sampled_from(sorted(pool)), unique=True, max_size=6))
+    if cmd == "simulate":  # mostly well-formed enough to reach the interesting checks
+        if "--max-loras" not in opts and draw(st.booleans()):
+            opts.append("--max-loras")
+        if "--model" not in opts and "--profile" not in opts and draw(st.integers(0, 3)):
+            opts.append("--model")
+    if cmd == "sweep" and "--out" not in opts and draw(st.integers(0, 3)):
+        opts.append("--out")
     for o in opts:
-        argv += [o, str(draw(st.sampled_from(OPTION_VALUES[o])))]
-    argv += draw(st.lists(st.sampled_from(FLAGS), unique=True, max_size=3))
-    if "--duration-s" not in opts:
+        argv += [o, str(draw(st.sampled_from(pool[o])))]
+    argv += draw(st.lists(st.sampled_from(FLAGS[cmd]), unique=True, max_size=3))
+    if cmd == "simulate" and "--duration-s" not in opts:
         argv += ["--duration-s", "20"]
+    if cmd == "sweep" and "--limit" not in opts:
+        argv += ["--limit", "1"]
     return argv
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(argv=simulate_argv())
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(argv=cli_argv())
 def test_cli_random_options(worker: Worker, argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        (tmp / "bad.csv").write_text("adapter_id,rank,rate_rps\na,8,-1\n")
+        for name, text in CLI_FILES.items():
+            (tmp / name).write_text(text)
         before = _tree(tmp)
         reply = worker.call({"kind": "cli", "argv": [_sub(a, tmp) for a in argv], "cwd": d}, 60.0)
         made = sorted(_tree(tmp) - before)
@@ -278,8 +310,9 @@ def test_cli_random_options(worker: Worker, argv: list[str]) -> None:
         else:  # click's usage errors (a malformed number): its usage box, still no traceback
             assert "Usage:" in reply["stderr"] or "Error" in reply["stderr"], reply["stderr"]
         assert made == [], made
-    else:
-        assert made in ([], ["tl.csv"]), made
+    else:  # the outputs asked for, nothing else (no .tmp, no probe files)
+        assert all(m.split("/")[0] in ("tl.csv", "v.csv", "sw") and ".tmp" not in m and "probe" not in m
+                   for m in made), made
 
 
 # ---- the shared checks and guards, directly -----------------------------------------------------------------
