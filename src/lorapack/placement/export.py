@@ -15,7 +15,6 @@ without a ``path`` in the workload are loaded from ``$LORA_DIR/<id>``.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,18 +130,15 @@ def routes(plan: Plan, endpoints: Endpoints = Endpoints()) -> dict[str, list[dic
 
 
 def check_out_dir(out: Path) -> Path:
-    """Refuse an output directory that cannot be written, before any work starts."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise SpecError(f"--out {out}: exists and is not a directory")
-    parent = out if out.exists() else out.parent
-    if not parent.exists():
-        raise SpecError(f"--out {out}: parent directory {parent} does not exist")
+    """Refuse an output directory that cannot be written, before any work starts (the shared rule of
+    ``lorapack.checks``: created when missing, never its missing parents), nor one whose output names are
+    taken by directories."""
+    from ..checks import check_output_dir
+
+    out = check_output_dir(out, "--out")
     for name in OUTPUT_FILES:
         if (out / name).is_dir():
             raise SpecError(f"--out {out}: {out / name} is a directory")
-    if not os.access(parent, os.W_OK):
-        raise SpecError(f"--out {out}: directory {parent} is not writable")
     return out
 
 
