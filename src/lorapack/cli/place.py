@@ -60,8 +60,8 @@ def place(
     n_max: Annotated[int, typer.Option("--n-max", help="Most adapters per GPU for the proposed methods.")] = 384,
     mean_input_tokens: Annotated[float | None, typer.Option(help="Override the mean prompt tokens.")] = None,
     mean_output_tokens: Annotated[float | None, typer.Option(help="Override the mean output tokens.")] = None,
-    workers: Annotated[int | None, typer.Option(help="Worker processes for twin runs (default: up to 2).")
-                       ] = None,
+    workers: Annotated[int | None, typer.Option(
+        help="Worker processes for twin runs (default: up to 2; 0 = all cores).")] = None,
     base_port: Annotated[int, typer.Option(help="Port of device 0 on each node (device d: base + d).")] = 8000,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node in serve.sh and routes.json.")] = 8,
     host_pattern: Annotated[str | None, typer.Option(
@@ -89,8 +89,12 @@ def place(
     check_out_dir(out)
     if models is not None and not models.is_dir():
         raise LorapackError(f"--models {models}: not a directory")
-    if workers is not None and workers < 1:
-        raise LorapackError(f"--workers {workers}: expected a positive integer")
+    if workers is not None:
+        import os
+
+        from ..checks import check_workers
+
+        workers = check_workers(workers) or (os.cpu_count() or 1)
     prof = load_profile(model, gpu, profile)
     wl = load_workload(workload)
     inst = instance_from_workload(wl, headroom=headroom, mean_input_tokens=mean_input_tokens,
