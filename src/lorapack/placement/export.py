@@ -130,7 +130,9 @@ def routes(plan: Plan, endpoints: Endpoints = Endpoints()) -> dict[str, list[dic
 
 
 def check_out_dir(out: Path) -> Path:
-    """Refuse an output directory that cannot be written, before any work starts (``lorapack.checks``)."""
+    """Refuse an output directory that cannot be written, before any work starts (the shared rule of
+    ``lorapack.checks``: created when missing, never its missing parents), nor one whose output names are
+    taken by directories."""
     from ..checks import check_output_dir
 
     out = check_output_dir(out, "--out")
