@@ -75,13 +75,13 @@ def _rate(value: float) -> float:
     return value
 
 
-def _finite_positive(value: float) -> float:
+def finite_positive(value: float) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError("expected a finite number > 0")
     return value
 
 
-def _finite_nonnegative(value: float) -> float:
+def finite_nonnegative(value: float) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError("expected a finite number >= 0")
     return value
@@ -211,7 +211,7 @@ class LengthsSpec(FrozenModel):
             raise ValueError(f"expected a finite number of tokens between 1 and {MAX_TOKENS:,}")
         return value
 
-    _cv = field_validator("cv")(_finite_positive)
+    _cv = field_validator("cv")(finite_positive)
 
     @model_validator(mode="after")
     def _consistent(self) -> LengthsSpec:
@@ -257,7 +257,7 @@ class UnpredictableArrivals(FrozenModel):
     clip: float = 8.0
     sigma: float = 1.0
 
-    _p = field_validator("period_s")(_finite_positive)
+    _p = field_validator("period_s")(finite_positive)
     _s = field_validator("sigma")(_arrival_sigma)
 
     @field_validator("factor", "clip")
@@ -306,8 +306,8 @@ class TraceArrivals(FrozenModel):
     _nb = field_validator("zipf_s", "dirichlet_alpha", "load_scale", "jitter_s", "start_s", mode="before")(
         reject_bool
     )
-    _pos = field_validator("dirichlet_alpha", "load_scale")(_finite_positive)
-    _nonneg = field_validator("zipf_s", "jitter_s", "start_s")(_finite_nonnegative)
+    _pos = field_validator("dirichlet_alpha", "load_scale")(finite_positive)
+    _nonneg = field_validator("zipf_s", "jitter_s", "start_s")(finite_nonnegative)
 
 
 ArrivalsSpec = Annotated[
@@ -351,7 +351,7 @@ class Workload(FrozenModel):
     @field_validator("duration_s")
     @classmethod
     def _duration(cls, value: float | None) -> float | None:
-        return None if value is None else _finite_positive(value)
+        return None if value is None else finite_positive(value)
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Workload:
@@ -404,7 +404,7 @@ class WorkloadFile(FrozenModel):
     @field_validator("duration_s")
     @classmethod
     def _duration(cls, value: float | None) -> float | None:
-        return None if value is None else _finite_positive(value)
+        return None if value is None else finite_positive(value)
 
     @model_validator(mode="after")
     def _one_source(self) -> WorkloadFile:

@@ -220,7 +220,7 @@ def validate_yaml_file(path: Path, model: type[BaseModel], expected: str,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# JSON out
+# values out: JSON-safe, and numbers for tables
 
 
 def json_safe(x: Any) -> Any:
@@ -234,3 +234,16 @@ def json_safe(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x
+
+
+def fmt(v: Any, digits: int = 1) -> str:
+    """A value for a table: numbers with thousands separators, "-" for missing or non-finite ones."""
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return "-" if not math.isfinite(v) else f"{v:,.{digits}f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
