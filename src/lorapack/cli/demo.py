@@ -81,9 +81,9 @@ def demo(
     compile_s = warm_up()
     placer = default_placer(workers)
     methods = list(DEMO_METHODS)
-    with tempfile.TemporaryDirectory() as tmp:
+    # the synthetic trace (no shared data) is read during the evaluation: keep its directory until then
+    with tempfile.TemporaryDirectory() as tmp, PoolMapper(workers) as mapper:
         sc, note = _demo_scenario(model, Path(tmp))
-    with PoolMapper(workers) as mapper:
         doc = evaluate_scenarios([sc], placer, tuple(methods), mapper=mapper, keep_plans=True)
         first = doc["scenarios"][0]["methods"][methods[0]]
         if first.get("error"):  # no learned models in this build: the twin is the oracle instead

@@ -388,7 +388,7 @@ def load_scenarios(path: str | Path) -> list[Scenario]:
                                 f"{', '.join(choices) or '(none on this gpu)'}")
 
     if spec.methods is not None:
-        from .methods import check_methods
+        from .placers import check_methods
 
         try:
             check_methods(spec.methods)
