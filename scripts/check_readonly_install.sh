@@ -41,7 +41,7 @@ run() {  # run LABEL ENV... -- ARGS...
   local label=$1; shift
   local envs=()
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
-  echo "== $label"
+  echo "== $label" >&2
   (cd "$TMP/work" && env -i PATH=/usr/bin:/bin HOME=/nonexistent "${envs[@]}" \
       "${AS[@]}" "$TMP/venv/bin/lorapack" "$@")
 }

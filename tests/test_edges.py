@@ -456,8 +456,8 @@ def test_layouts_fit_80_columns(monkeypatch, tmp_path: Path) -> None:
     from lorapack.cli import profiles as cli_profiles
     from lorapack.cli import simulate as cli_simulate
     from lorapack.profile import find_profile
-    from lorapack.spec import load_workload
     from lorapack.twin.run import ServerFlags, simulate
+    from lorapack.workload import load_workload
 
     prof = find_profile(LLAMA)
     wl = load_workload(EXAMPLES / "demo.yaml")

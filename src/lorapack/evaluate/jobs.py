@@ -29,11 +29,11 @@ def workload_groups(scenarios: list[Scenario]) -> list[list[Scenario]]:
 
 def _run_group(group: list[Scenario], methods: tuple[str, ...] | None, budget_s: float | None, started: float,
                workers: int, keep_plans: bool) -> dict[str, Any]:
-    from . import methods as methods_mod
+    from . import placers
     from .parallel import PoolMapper
 
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
-    placer = methods_mod.default_placer(workers)
+    placer = placers.default_placer(workers)
     with PoolMapper(workers) as mapper:
         return evaluate_scenarios(group, placer, methods, budget_s, mapper, keep_plans=keep_plans, started=started)
 
