@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint profiles bench clean
+.PHONY: setup demo test lint profiles bench models clean
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (set PY=python3.x, x >= 11)"; exit 2; }
@@ -27,6 +27,11 @@ lint: $(STAMP)
 
 profiles: $(STAMP)
 	$(BIN)/python scripts/fit_profiles.py
+
+# sweep -> train -> refine for both shipped profiles (docs/surrogates.md); MODELS_ARGS="--limit 3000" for a
+# quick, smaller dataset. Sweeps resume from build/models-data.
+models: $(STAMP)
+	nice -n 10 $(BIN)/python scripts/make_models.py $(MODELS_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/twin_speed.py

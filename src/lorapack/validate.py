@@ -140,6 +140,64 @@ def _simulate_row_inner(row: dict, seed: int, lengths: str, gpu: str) -> dict:
     return {k: out.get(k) for k in keep}
 
 
+ENGINES = ("twin", "surrogate", "tree")
+
+
+def _row_candidate(row: dict, profile):
+    """The GPU of a real run as an oracle question (features depend on the multisets, not the order)."""
+    from .oracle import GpuCandidate
+
+    ranks = np.array(parse_counts(row["rank_counts"], int))
+    rates = np.array(parse_counts(row["rate_counts"], float))
+    return GpuCandidate(
+        profile=profile, ranks=ranks, rates_rps=rates, max_loras=int(float(row["max_loras"])),
+        max_lora_rank=int(float(row["max_lora_rank"])),
+        max_cpu_loras=int(_num(row, "max_cpu_loras", float(row["n_adapters"]))),
+        max_num_seqs=int(_num(row, "max_num_seqs", profile.max_num_seqs)),
+        max_num_batched_tokens=int(_num(row, "max_num_batched_tokens", profile.max_num_batched_tokens)),
+        mean_input_tokens=_num(row, "mean_input_tokens", 223.0), mean_output_tokens=_num(row, "mean_output_tokens",
+                                                                                        197.0))
+
+
+def _learned_outputs(rows: list[dict], todo: list[int], profiles: dict, engine: str, models_dir) -> dict[int, list]:
+    """Answers of the learned oracle (one per row: it is deterministic), in the twin's output keys."""
+    from .surrogate import load_oracle, model_path
+
+    oracles = {}
+    out: dict[int, list] = {}
+    models = sorted({rows[i]["model"] for i in todo})
+    for m in models:
+        prof = profiles[m]
+        if models_dir is not None and not model_path(models_dir, prof.gpu, prof.model, engine).is_file():
+            continue  # --models holds other profiles only: this model's runs count as skipped
+        oracles[m] = load_oracle(prof, engine, models_dir)
+    if models and not oracles:  # nothing to answer with: say what is missing
+        load_oracle(profiles[models[0]], engine, models_dir)
+    for m, oracle in oracles.items():
+        idx = [i for i in todo if rows[i]["model"] == m]
+        preds = oracle.predict([_row_candidate(rows[i], profiles[m]) for i in idx])
+        for i, p in zip(idx, preds, strict=True):
+            out[i] = [{"oom": not p.fits, "error_type": p.error_type, "throughput_tok_s": p.throughput_tok_s,
+                       "itl_mean_ms": p.itl_ms, "ttft_mean_ms": p.ttft_s * 1000.0, "starved": p.starved >= 0.5,
+                       "throughput_ratio": p.throughput_ratio, "incoming_tok_s": p.incoming_tok_s,
+                       "in_range": p.in_range, "out_of_range": p.out_of_range}]
+    return out
+
+
+def macro_f1(y: list[bool], yhat: list[bool]) -> float:
+    """Macro-averaged F1 of a binary label (both classes; a class absent from both counts as 1)."""
+    y_arr, p_arr = np.asarray(y, bool), np.asarray(yhat, bool)
+    if len(y_arr) == 0:
+        return float("nan")
+    f1s = []
+    for c in (True, False):
+        tp = float(np.sum((p_arr == c) & (y_arr == c)))
+        fp = float(np.sum((p_arr == c) & (y_arr != c)))
+        fn = float(np.sum((p_arr != c) & (y_arr == c)))
+        f1s.append(1.0 if tp + fp + fn == 0 else 2 * tp / (2 * tp + fp + fn))
+    return float(np.mean(f1s))
+
+
 def smape(y: np.ndarray, yhat: np.ndarray, factor: float = 1.0) -> float:
     """``100 * mean(factor * |y - yhat| / (|y| + |yhat|))``; factor 1 = paper convention, 2 = usual."""
     y, yhat = np.asarray(y, float), np.asarray(yhat, float)
@@ -155,9 +213,16 @@ def _mean(vals: list) -> float | None:
 
 
 def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb", lengths: str = "lognormal",
-                   workers: int = 0, limit: int | None = None, progress: bool = True) -> dict:
-    """Simulate every row (x seeds) and compare. Returns ``{"models": {...}, "rows": {column: list}}``."""
+                   workers: int = 0, limit: int | None = None, progress: bool = True, engine: str = "twin",
+                   models_dir: str | Path | None = None) -> dict:
+    """Simulate every row (x seeds) — or ask the learned ``engine`` ("surrogate", "tree") — and compare.
+    Returns ``{"models": {...}, "rows": {column: list}}``."""
     from .profile import available_profiles
+
+    if engine not in ENGINES:
+        raise LorapackError(f"--engine {engine}: expected one of {', '.join(ENGINES)}")
+    if models_dir is not None and engine == "twin":
+        raise LorapackError("--models applies to --engine surrogate or tree")
 
     if seeds < 1:
         raise LorapackError(f"--seeds {seeds}: expected an integer >= 1")
@@ -192,6 +257,10 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
         elif (r.get("rate_counts") or "").strip() and (r.get("rank_counts") or "").strip():
             todo.extend((i, s) for s in range(seeds))
 
+    if engine != "twin":
+        results.update(_learned_outputs(rows, sorted({i for i, _s in todo}), profiles, engine, models_dir))
+        todo = []
+
     from joblib import Parallel, delayed
 
     n_jobs = workers if workers > 0 else -1
@@ -214,7 +283,7 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
         "run_id", "model", "status", "measured_oom", "predicted_oom", "measured_throughput_tok_s",
         "predicted_throughput_tok_s", "measured_itl_ms", "predicted_itl_ms", "measured_ttft_ms",
         "predicted_ttft_ms", "measured_starved", "predicted_starved", "measured_throughput_ratio",
-        "predicted_throughput_ratio")}
+        "predicted_throughput_ratio", "predicted_in_range")}
     models: dict[str, dict] = {}
     for i, r in enumerate(rows):
         m = r["model"]
@@ -242,7 +311,8 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
                "predicted_itl_ms": itl, "measured_ttft_ms": _num(r, "ttft_mean_ms"), "predicted_ttft_ms": ttft,
                "measured_starved": None if real_starved is None else bool(real_starved),
                "predicted_starved": starved, "measured_throughput_ratio": _num(r, "throughput_ratio"),
-               "predicted_throughput_ratio": ratio}
+               "predicted_throughput_ratio": ratio,
+               "predicted_in_range": None if pred_oom or real_oom else all(o.get("in_range", True) for o in outs)}
         st["_rows"].append(rec)
         for k, v in rec.items():
             per_row[k].append(v)
@@ -271,9 +341,11 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
             "smape_ttft_2x": smape(arr("measured_ttft_ms"), arr("predicted_ttft_ms"), 2),
             "starved_agreement": float(np.mean(agree)) if agree else float("nan"),
             "starved_agreement_clear": float(np.mean(agree_clear)) if agree_clear else float("nan"),
+            "starved_f1": macro_f1([x["measured_starved"] for x in lab], [bool(x["predicted_starved"]) for x in lab]),
+            "n_out_of_range": int(sum(x["predicted_in_range"] is False for x in recs)),
             "n_clear": len(clear),
             "oom_agreement": float(np.mean(oom_agree)) if oom_agree else float("nan"),
             "oom_false_accept": int(sum(x["measured_oom"] and not x["predicted_oom"] for x in recs)),
             "oom_false_reject": int(sum(not x["measured_oom"] and x["predicted_oom"] for x in recs)),
         }
-    return {"models": summary, "rows": per_row}
+    return {"models": summary, "rows": per_row, "engine": engine}

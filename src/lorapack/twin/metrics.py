@@ -16,6 +16,8 @@ import numpy as np
 from .types import EngineResult, RequestArrays
 
 STARVATION_RATIO = 0.9
+ADAPTER_MIN_REQUESTS = 20  # per-adapter ratio test only for adapters with at least this many requests
+ADAPTER_MAX_WAIT_S = 300.0  # a request open longer than this starves its adapter
 
 
 def _stat(x: np.ndarray, fn) -> float:
@@ -23,7 +25,8 @@ def _stat(x: np.ndarray, fn) -> float:
 
 
 def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_adapters: int,
-                    adapter_min_requests: int = 20, adapter_max_wait_s: float = 300.0) -> dict:
+                    adapter_min_requests: int = ADAPTER_MIN_REQUESTS,
+                    adapter_max_wait_s: float = ADAPTER_MAX_WAIT_S) -> dict:
     """Run-level metrics plus per-adapter starvation (twin.md §4.2 extension)."""
     p = req.prompt_tokens.astype(np.int64)
     o = req.output_tokens.astype(np.int64)
