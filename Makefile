@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint profiles bench models clean
+.PHONY: setup demo test lint profiles bench models evaluate clean
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (set PY=python3.x, x >= 11)"; exit 2; }
@@ -32,6 +32,12 @@ profiles: $(STAMP)
 # quick, smaller dataset. Sweeps resume from build/models-data.
 models: $(STAMP)
 	nice -n 10 $(BIN)/python scripts/make_models.py $(MODELS_ARGS)
+
+# the evaluate study of issue 9 (144 scenarios; niced: the machine is shared), then its tables into the docs
+evaluate: $(STAMP)
+	nice -n 10 $(BIN)/lorapack evaluate studies/evaluate/llama.yaml studies/evaluate/qwen.yaml \
+		--out results/evaluate --workers 2 $(EVALUATE_ARGS)
+	$(BIN)/python scripts/evaluation_doc.py results/evaluate
 
 bench: $(STAMP)
 	$(BIN)/python bench/twin_speed.py

@@ -31,9 +31,8 @@ from lorapack import __version__
 from lorapack.calibrate import default_data_dir
 from lorapack.calibrate.command import DEFAULT_MAX_EVALS, refine_profile, validate_profile
 from lorapack.calibrate.priors import CALIBRATION_CSV, fit_priors_from, lora_overhead_points
-from lorapack.calibrate.refine import run_group, score_runs
 from lorapack.profile import find_profile
-from lorapack.validate import read_runs
+from lorapack.realruns import RunPrediction, read_runs, run_group, score_runs
 
 MODELS = ("llama-3.1-8b-instruct", "qwen-2.5-7b-instruct")
 OUT = Path(__file__).resolve().parent / "results" / "fidelity.json"
@@ -65,7 +64,7 @@ def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_eva
     anchors = lora_overhead_points(data_dir / "profiling", model)
     held: dict[str, dict] = {}
     all_rows: list[dict] = []
-    all_preds: list[dict] = []
+    all_preds: list[RunPrediction] = []
     for g in groups:
         train = [r for r in rows if run_group(r["run_id"]) != g]
         test = [r for r in rows if run_group(r["run_id"]) == g]
@@ -83,14 +82,8 @@ def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_eva
                    "refined": {k: v["refined"] for k, v in prov["free"].items()},
                    "wall_s": time.perf_counter() - t0}
         all_rows += test
-        all_preds += [_pred_from_table(t) for t in table]
+        all_preds += [t.prediction for t in table]
     return {"held_out": held, "pooled": score_runs(all_rows, all_preds)}
-
-
-def _pred_from_table(t: dict) -> dict:
-    return {"oom": t["predicted_oom"], "throughput_tok_s": t["predicted_throughput_tok_s"],
-            "itl_mean_ms": t["predicted_itl_ms"], "ttft_mean_ms": t["predicted_ttft_ms"],
-            "starved": t["predicted_starved"]}
 
 
 def main(argv: list[str] | None = None) -> int:

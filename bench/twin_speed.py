@@ -85,13 +85,13 @@ def main() -> None:
         row = {"config": name, "model": model, "adapters": n, "ranks": list(ranks), "rates_rps": list(rates),
                "max_loras": a_max, "max_lora_rank": s_max, "wall_s": wall, "walls_s": walls,
                "sim_over_real": 3600.0 / wall, "paper_twin_s": paper_s,
-               "speedup_vs_paper": (paper_s / wall) if paper_s else None, "n_generated": out["n_generated"],
-               "oom": out["oom"], "starved": out["starved"], "throughput_tok_s": out["throughput_tok_s"],
-               "steps": out.get("steps")}
+               "speedup_vs_paper": (paper_s / wall) if paper_s else None, "n_generated": out.n_generated,
+               "oom": out.oom, "starved": out.starved, "throughput_tok_s": out.throughput_tok_s,
+               "steps": out.n_steps}
         rows.append(row)
         sp = f"{row['speedup_vs_paper']:.0f}x" if paper_s else "-"
         print(f"{name:32s} {wall:9.3f} {3600.0 / wall:9.0f} {paper_s or '-':>8} {sp:>9s} "
-              f"{out['n_generated']:9d} {str(out['starved']):>7s} {out['throughput_tok_s']:10.1f}")
+              f"{out.n_generated:9d} {str(out.starved):>7s} {out.throughput_tok_s:10.1f}")
     walls = [r["wall_s"] for r in rows]
     timed = [r for r in rows if r["paper_twin_s"]]
     summary = {

@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from data_helpers import mirror_data_dir, rewrite_csv, run_main
 from lorapack.calibrate.command import calibrate
 from lorapack.calibrate.priors import CALIBRATION_CSV
-from lorapack.calibrate.refine import score_runs
 from lorapack.cli import app
 from lorapack.profile import find_profile, load_profile_file
+from lorapack.realruns import RunPrediction, score_runs
 from lorapack.twin.run import ResolvedServer, step_model
 from lorapack.twin.steptime import StepModel, compute_ms
 
@@ -70,9 +70,9 @@ def test_score_runs_confusion_and_conventions() -> None:
             {"status": "ok", "throughput_tok_s": "100", "itl_mean_ms": "20", "ttft_mean_ms": "50", "starved": "1",
              "throughput_ratio": "0.90"},
             {"status": "oom"}]
-    preds = [{"oom": False, "throughput_tok_s": 110.0, "itl_mean_ms": 20.0, "ttft_mean_ms": 50.0, "starved": False},
-             {"oom": False, "throughput_tok_s": 100.0, "itl_mean_ms": 20.0, "ttft_mean_ms": 50.0, "starved": False},
-             {"oom": True}]
+    preds = [RunPrediction(oom=False, throughput_tok_s=110.0, itl_mean_ms=20.0, ttft_mean_ms=50.0, starved=False),
+             RunPrediction(oom=False, throughput_tok_s=100.0, itl_mean_ms=20.0, ttft_mean_ms=50.0, starved=False),
+             RunPrediction(oom=True)]
     s = score_runs(rows, preds)
     assert s["smape_throughput"] == pytest.approx(100 * 0.5 * 10 / 210)
     assert s["smape_throughput_2x"] == pytest.approx(2 * s["smape_throughput"])

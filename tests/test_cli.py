@@ -69,7 +69,7 @@ def assert_one_line_error(code: int, out: str, err: str, match: str) -> None:
     (("simulate",), ["--max-loras", "--model", "--gpu", "--profile", "--max-lora-rank", "--duration-s", "--seed",
                      "--timeline", "--json"]),
     (("validate",), ["--seeds", "--json", "--out", "--limit"]),
-    (("demo",), ["--model", "--json"]),
+    (("demo",), ["--model", "--json", "--out"]),
     (("profiles",), ["shipped profiles"]),
 ])
 def test_help(cmd: tuple, expect: list[str]) -> None:
@@ -350,21 +350,6 @@ def test_script_simulate_json() -> None:
 # ---- demo, profiles, validate ------------------------------------------------------------------------------
 
 
-def test_demo_prints_a_table() -> None:
-    res = invoke("demo")
-    assert res.exit_code == 0
-    out = res.stdout
-    assert "lorapack demo" in out and "A_max" in out and "thr tok/s" in out
-    assert "--max-loras" in out  # the conclusion line
-
-
-def test_demo_json() -> None:
-    res = invoke("demo", "--model", QWEN, "--json")
-    d = json.loads(res.stdout)
-    assert d["model"] == QWEN and len(d["results"]) >= 3
-    assert [r["server"]["max_loras"] for r in d["results"]][:3] == [4, 8, 16]
-
-
 def test_demo_unknown_model(monkeypatch, capsys) -> None:
     code, out, err = run_main(monkeypatch, capsys, "demo", "--model", "gpt-5")
     assert_one_line_error(code, out, err, "unknown model")
@@ -398,8 +383,12 @@ def test_validate_json_and_out(tmp_path: Path) -> None:
     res = invoke("validate", _runs_csv(tmp_path), "--json", "--workers", 1, "--out", out)
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
-    assert set(d) == {"models"}
+    assert set(d) == {"models", "skipped"}
     assert set(d["models"]) == {LLAMA, QWEN, "llama-2-7b"}
+    # a skipped run says why (issue 12), in the list and in its model's counts
+    assert [(s["run_id"], s["model"]) for s in d["skipped"]] == [("skip", "llama-2-7b")]
+    assert "model 'llama-2-7b': no shipped profile on h100-64gb" in d["skipped"][0]["reason"]
+    assert d["models"]["llama-2-7b"]["skip_reasons"] == {d["skipped"][0]["reason"]: 1}
     keys = {"n_ok", "n_oom", "n_skipped", "smape_throughput", "smape_itl", "smape_ttft", "starved_agreement",
             "oom_agreement"}
     for s in d["models"].values():

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
 
-from lorapack.twin.metrics import STARVATION_RATIO, compute_metrics
+from lorapack.twin.metrics import STARVATION_RATIO, RunMetrics, compute_metrics
 from lorapack.twin.types import EngineResult, RequestArrays
 
 NAN = float("nan")
@@ -39,53 +40,53 @@ HELD_END = len(CASE)  # the client cap held every arrival up to here at some poi
 
 
 @pytest.fixture(scope="module")
-def m() -> dict:
+def m() -> RunMetrics:
     res, req = _build(CASE, n_preemptions=3, n_gpu_loads=4, n_disk_loads=1, n_steps=17, busy_s=5.0,
                       held_end=HELD_END)
     return compute_metrics(res, req, T, n_adapters=2)
 
 
-def test_counts(m: dict) -> None:
-    assert m["n_generated"] == 8
-    assert m["n_arrived"] == 7  # never-sent request excluded
-    assert m["n_completed"] == 5
-    assert (m["preemptions"], m["adapter_loads"], m["adapter_disk_loads"], m["steps"]) == (3, 4, 1, 17)
-    assert m["busy_frac"] == pytest.approx(0.5)
+def test_counts(m: RunMetrics) -> None:
+    assert m.n_generated == 8
+    assert m.n_arrived == 7  # never-sent request excluded
+    assert m.n_completed == 5
+    assert (m.n_preemptions, m.n_adapter_loads, m.n_adapter_disk_loads, m.n_steps) == (3, 4, 1, 17)
+    assert m.busy_frac == pytest.approx(0.5)
 
 
-def test_throughput_counts_only_completed_prompt_plus_output(m: dict) -> None:
+def test_throughput_counts_only_completed_prompt_plus_output(m: RunMetrics) -> None:
     # completed: P = 10+20+5+4+3 = 42, O = 11+2+1+3+5 = 22
-    assert m["input_tok_s"] == pytest.approx(42 / T)
-    assert m["output_tok_s"] == pytest.approx(22 / T)
-    assert m["throughput_tok_s"] == pytest.approx(64 / T)
+    assert m.input_tok_s == pytest.approx(42 / T)
+    assert m.output_tok_s == pytest.approx(22 / T)
+    assert m.throughput_tok_s == pytest.approx(64 / T)
 
 
-def test_incoming_counts_sent_requests(m: dict) -> None:
+def test_incoming_counts_sent_requests(m: RunMetrics) -> None:
     # sent (7 requests): 21 + 22 + 6 + 7 + 150 + 14 + 8 = 228 tokens; the never-sent 2000 are not counted
-    assert m["incoming_tok_s"] == pytest.approx(228 / T)
-    assert m["throughput_ratio"] == pytest.approx(64 / 228)
-    assert m["starved"] is True
+    assert m.incoming_tok_s == pytest.approx(228 / T)
+    assert m.throughput_ratio == pytest.approx(64 / 228)
+    assert m.starved is True
 
 
-def test_itl_is_token_weighted(m: dict) -> None:
+def test_itl_is_token_weighted(m: RunMetrics) -> None:
     # Σ span / Σ (O-1) over completed = (1 + 2 + 0 + 1 + 0.6) / (10 + 1 + 0 + 2 + 4)
     itl = 4.6 / 17 * 1000
-    assert m["itl_mean_ms"] == pytest.approx(itl)
+    assert m.itl_mean_ms == pytest.approx(itl)
     # the mean of per-request ITLs (= TPOT) is very different here: (0.1 + 2 + 0.5 + 0.15) / 4
-    assert m["tpot_mean_ms"] == pytest.approx(2.75 / 4 * 1000)
-    assert abs(m["itl_mean_ms"] - m["tpot_mean_ms"]) > 100
+    assert m.tpot_mean_ms == pytest.approx(2.75 / 4 * 1000)
+    assert abs(m.itl_mean_ms - m.tpot_mean_ms) > 100
 
 
-def test_ttft_from_sent_over_completed(m: dict) -> None:
+def test_ttft_from_sent_over_completed(m: RunMetrics) -> None:
     ttft_s = [1.0, 0.5, 0.5, 1.0, 0.2]  # the held request counts 1 s (t_first - t_sent), not 3 s
-    assert m["ttft_mean_ms"] == pytest.approx(np.mean(ttft_s) * 1000)
-    assert m["ttft_median_ms"] == pytest.approx(500.0)
-    assert m["ttft_p99_ms"] == pytest.approx(np.percentile(ttft_s, 99) * 1000)
+    assert m.ttft_mean_ms == pytest.approx(np.mean(ttft_s) * 1000)
+    assert m.ttft_median_ms == pytest.approx(500.0)
+    assert m.ttft_p99_ms == pytest.approx(np.percentile(ttft_s, 99) * 1000)
 
 
-def test_penalised_ttft_formula(m: dict) -> None:
+def test_penalised_ttft_formula(m: RunMetrics) -> None:
     # (mean_TTFT * completed + (sent - completed) * T * 1000) / sent
-    assert m["ttft_penalised_mean_ms"] == pytest.approx((640.0 * 5 + 2 * T * 1000) / 7)
+    assert m.ttft_penalised_mean_ms == pytest.approx((640.0 * 5 + 2 * T * 1000) / 7)
 
 
 def test_never_sent_requests_do_not_change_anything() -> None:
@@ -94,35 +95,35 @@ def test_never_sent_requests_do_not_change_anything() -> None:
     a = compute_metrics(res, req, T, 2)
     b = compute_metrics(full_res, full_req, T, 2)
     for k in ("throughput_tok_s", "incoming_tok_s", "itl_mean_ms", "ttft_mean_ms", "ttft_penalised_mean_ms",
-              "n_arrived", "n_completed", "starved", "adapters_starved"):
-        assert a[k] == b[k], k
-    assert (a["n_generated"], b["n_generated"]) == (7, 8)
+              "n_arrived", "n_completed", "starved", "n_adapters_starved"):
+        assert getattr(a, k) == getattr(b, k), k
+    assert (a.n_generated, b.n_generated) == (7, 8)
 
 
 def test_arrived_during_the_last_step_is_sent() -> None:
     # not injected (t_sent NaN) but not held back either (index >= held_end): the client sent it
     res, req = _build(CASE, held_end=0)
     m = compute_metrics(res, req, T, 2, adapter_max_wait_s=1e9)
-    assert m["n_arrived"] == 8 and m["n_completed"] == 5
-    assert m["incoming_tok_s"] == pytest.approx(2228 / T)
-    assert m["ttft_penalised_mean_ms"] == pytest.approx((640.0 * 5 + 3 * T * 1000) / 8)
+    assert m.n_arrived == 8 and m.n_completed == 5
+    assert m.incoming_tok_s == pytest.approx(2228 / T)
+    assert m.ttft_penalised_mean_ms == pytest.approx((640.0 * 5 + 3 * T * 1000) / 8)
     # its age at the end counts from its arrival (0.5 s), not NaN; the oldest open one is req 4 (2 s)
-    assert m["adapter_max_wait_s"] == pytest.approx(2.0)
+    assert m.adapter_max_wait_s == pytest.approx(2.0)
     res, req = _build([(0, 5, 5, 0.0, 0.0, 0.1, 0.2), (1, 5, 5, 9.99, NAN, NAN, NAN)])
     m = compute_metrics(res, req, T, 2)
-    assert m["adapter_max_wait_s"] == pytest.approx(0.01) and m["adapters_starved"] == 0
+    assert m.adapter_max_wait_s == pytest.approx(0.01) and m.n_adapters_starved == 0
 
 
 def test_held_request_injected_at_or_after_the_end_is_not_sent() -> None:
     res, req = _build([(0, 5, 5, 0.0, 0.0, 0.1, 0.2), (0, 5, 5, 1.0, T, NAN, NAN)], held_end=2)
-    assert compute_metrics(res, req, T, 1)["n_arrived"] == 1
+    assert compute_metrics(res, req, T, 1).n_arrived == 1
 
 
 def test_sent_after_window_end_is_not_sent() -> None:
     res, req = _build([(0, 10, 10, 0.0, 0.0, 1.0, 2.0), (0, 10, 10, 5.0, 5.0, 6.0, 7.0)])
     m = compute_metrics(res, req, 5.0, 1)  # second request sent exactly at T: outside [0, T)
-    assert (m["n_arrived"], m["n_completed"]) == (1, 1)
-    assert m["incoming_tok_s"] == pytest.approx(20 / 5.0)
+    assert (m.n_arrived, m.n_completed) == (1, 1)
+    assert m.incoming_tok_s == pytest.approx(20 / 5.0)
 
 
 @pytest.mark.parametrize("n_done, starved", [(90, False), (89, True), (100, False), (0, True)])
@@ -131,33 +132,33 @@ def test_starved_threshold_is_strictly_below_0_9(n_done: int, starved: bool) -> 
     rows = [(0, 4, 6, i * 0.001, i * 0.001, 0.5, 0.6 if i < n_done else NAN) for i in range(100)]
     res, req = _build(rows)
     m = compute_metrics(res, req, 1.0, 1, adapter_min_requests=1000)
-    assert m["throughput_ratio"] == pytest.approx(n_done / 100)
-    assert m["starved"] is starved
+    assert m.throughput_ratio == pytest.approx(n_done / 100)
+    assert m.starved is starved
 
 
 def test_no_completed_requests() -> None:
     res, req = _build([(0, 10, 10, 0.0, 0.0, NAN, NAN), (0, 10, 10, 1.0, 1.0, NAN, NAN)])
     m = compute_metrics(res, req, 10.0, 1)
-    assert m["throughput_tok_s"] == 0.0 and m["n_completed"] == 0
-    assert math.isnan(m["itl_mean_ms"]) and math.isnan(m["ttft_mean_ms"]) and math.isnan(m["tpot_mean_ms"])
-    assert m["ttft_penalised_mean_ms"] == pytest.approx(10_000.0)  # everybody waited the whole window
-    assert m["starved"] is True
+    assert m.throughput_tok_s == 0.0 and m.n_completed == 0
+    assert math.isnan(m.itl_mean_ms) and math.isnan(m.ttft_mean_ms) and math.isnan(m.tpot_mean_ms)
+    assert m.ttft_penalised_mean_ms == pytest.approx(10_000.0)  # everybody waited the whole window
+    assert m.starved is True
 
 
 def test_empty_run() -> None:
     res, req = _build([(0, 1, 1, 0.0, 0.0, 0.0, 0.0)], held_end=1)
     res.t_sent_s[:] = NAN  # held back all along: nothing sent
     m = compute_metrics(res, req, 10.0, 3)
-    assert (m["n_arrived"], m["n_completed"], m["incoming_tok_s"], m["starved"]) == (0, 0, 0.0, False)
-    assert math.isnan(m["ttft_penalised_mean_ms"]) and math.isnan(m["throughput_ratio"])
-    assert m["adapters_starved"] == 0 and m["adapter_starved"] is False
+    assert (m.n_arrived, m.n_completed, m.incoming_tok_s, m.starved) == (0, 0, 0.0, False)
+    assert math.isnan(m.ttft_penalised_mean_ms) and math.isnan(m.throughput_ratio)
+    assert m.n_adapters_starved == 0 and m.adapter_starved is False
 
 
 def test_single_token_outputs_have_no_itl() -> None:
     res, req = _build([(0, 10, 1, 0.0, 0.0, 1.0, 1.0)])
     m = compute_metrics(res, req, 10.0, 1)
-    assert math.isnan(m["itl_mean_ms"]) and math.isnan(m["tpot_mean_ms"])
-    assert m["ttft_mean_ms"] == pytest.approx(1000.0)
+    assert math.isnan(m.itl_mean_ms) and math.isnan(m.tpot_mean_ms)
+    assert m.ttft_mean_ms == pytest.approx(1000.0)
 
 
 # ---- per-adapter starvation (twin.md §4.2 extension) -------------------------------------------------
@@ -184,33 +185,33 @@ def test_adapter_starved_by_token_ratio_needs_min_requests() -> None:
     # adapter 0: 10 of 20 complete (ratio 0.5), adapter 1 healthy
     res, req = _adapter_case(20, 10, 50, None)
     m = compute_metrics(res, req, 1000.0, 2, adapter_min_requests=20, adapter_max_wait_s=1e9)
-    assert m["adapters_starved"] == 1 and m["adapter_starved"] is True
-    assert m["adapter_min_token_ratio"] == pytest.approx(0.5)
+    assert m.n_adapters_starved == 1 and m.adapter_starved is True
+    assert m.adapter_min_token_ratio == pytest.approx(0.5)
     # the same adapter with fewer requests than the minimum is not judged on its ratio
     m = compute_metrics(res, req, 1000.0, 2, adapter_min_requests=21, adapter_max_wait_s=1e9)
-    assert m["adapters_starved"] == 0 and m["adapter_starved"] is False
-    assert m["adapter_min_token_ratio"] == pytest.approx(1.0)  # only adapter 1 qualifies
+    assert m.n_adapters_starved == 0 and m.adapter_starved is False
+    assert m.adapter_min_token_ratio == pytest.approx(1.0)  # only adapter 1 qualifies
 
 
 def test_adapter_ratio_at_0_9_is_not_starved() -> None:
     res, req = _adapter_case(20, 18, 0, None)
     m = compute_metrics(res, req, 1000.0, 2, adapter_min_requests=20, adapter_max_wait_s=1e9)
-    assert m["adapter_min_token_ratio"] == pytest.approx(0.9) and m["adapter_starved"] is False
+    assert m.adapter_min_token_ratio == pytest.approx(0.9) and m.adapter_starved is False
     res, req = _adapter_case(20, 17, 0, None)
     assert compute_metrics(res, req, 1000.0, 2, adapter_min_requests=20,
-                           adapter_max_wait_s=1e9)["adapter_starved"] is True
+                           adapter_max_wait_s=1e9).adapter_starved is True
 
 
 def test_adapter_starved_by_max_wait() -> None:
     # adapter 1 completes everything but one request that has been open for 400 s at the end
     res, req = _adapter_case(5, 5, 5, 400.0)
     m = compute_metrics(res, req, 1000.0, 2, adapter_min_requests=20, adapter_max_wait_s=300.0)
-    assert m["adapter_max_wait_s"] == pytest.approx(400.0)
-    assert m["adapters_starved"] == 1 and m["adapter_starved"] is True
+    assert m.adapter_max_wait_s == pytest.approx(400.0)
+    assert m.n_adapters_starved == 1 and m.adapter_starved is True
     m = compute_metrics(res, req, 1000.0, 2, adapter_min_requests=20, adapter_max_wait_s=500.0)
-    assert m["adapter_starved"] is False
+    assert m.adapter_starved is False
     # the aggregate label is a different thing: 1 of 11 requests open -> ratio 10/11 > 0.9
-    assert m["starved"] is False
+    assert m.starved is False
 
 
 def test_adapter_max_wait_ignores_never_sent() -> None:
@@ -218,7 +219,7 @@ def test_adapter_max_wait_ignores_never_sent() -> None:
     res.t_sent_s[np.isnan(res.t_first_s)] = NAN  # the open request was held back by the cap all along
     res.held_end = len(req)
     m = compute_metrics(res, req, 1000.0, 2, adapter_max_wait_s=300.0)
-    assert m["adapter_max_wait_s"] == 0.0 and m["adapter_starved"] is False
+    assert m.adapter_max_wait_s == 0.0 and m.adapter_starved is False
 
 
 def test_timeline_statistics() -> None:
@@ -226,8 +227,25 @@ def test_timeline_statistics() -> None:
           "kv_cache_usage_perc": np.array([0.0, 0.3, 0.6])}
     res, req = _build(CASE, timeline=tl)
     m = compute_metrics(res, req, T, 2)
-    assert (m["running_mean"], m["running_max"]) == (2.0, 4.0)
-    assert (m["waiting_mean"], m["waiting_max"]) == (2.0, 5.0)
-    assert m["kv_usage_mean"] == pytest.approx(0.3)
+    assert (m.running_reqs_mean, m.running_reqs_max) == (2.0, 4.0)
+    assert (m.waiting_reqs_mean, m.waiting_reqs_max) == (2.0, 5.0)
+    assert m.kv_usage_mean_frac == pytest.approx(0.3)
     res, req = _build(CASE)  # no timeline: NaN, no crash
-    assert math.isnan(compute_metrics(res, req, T, 2)["running_mean"])
+    assert math.isnan(compute_metrics(res, req, T, 2).running_reqs_mean)
+
+
+def test_to_dict_keeps_the_json_keys(m: RunMetrics) -> None:
+    d = m.to_dict()
+    # the keys of the untyped result before RunMetrics (simulate --json, sweep columns): a contract
+    for k in ("throughput_tok_s", "input_tok_s", "output_tok_s", "incoming_tok_s", "throughput_ratio", "starved",
+              "itl_mean_ms", "tpot_mean_ms", "ttft_mean_ms", "ttft_median_ms", "ttft_p99_ms",
+              "ttft_penalised_mean_ms", "n_arrived", "n_completed", "n_generated", "preemptions", "adapter_loads",
+              "adapter_disk_loads", "steps", "busy_frac", "sched_s", "load_s", "running_mean", "running_max",
+              "waiting_mean", "waiting_max", "kv_usage_mean", "adapters_starved", "adapter_starved",
+              "starved_adapter_indices", "adapter_min_token_ratio", "adapter_max_wait_s", "oom", "error_type",
+              "kv_cache_tokens", "stop_reason", "simulated_s", "server", "wall_s", "duration_s", "seed", "model",
+              "gpu"):
+        assert k in d, k
+    assert (d["preemptions"], d["adapter_loads"], d["steps"], d["adapters_starved"]) == (3, 4, 17, m.n_adapters_starved)
+    assert d["starved_adapter_indices"] == list(m.starved_adapter_indices)
+    json.dumps({k: v for k, v in d.items()})  # plain Python values only

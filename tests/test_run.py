@@ -149,32 +149,32 @@ def test_simulate_is_deterministic_given_the_seed(llama) -> None:
     a, ra = simulate(llama, wl, flags, 120.0, seed=3)
     b, rb = simulate(llama, wl, flags, 120.0, seed=3)
     c, _ = simulate(llama, wl, flags, 120.0, seed=4)
-    a.pop("wall_s"), b.pop("wall_s"), c.pop("wall_s")
-    assert json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)  # NaN == NaN
+    a, b, c = (x.replace(wall_s=None) for x in (a, b, c))
+    assert json.dumps(a.to_dict(), sort_keys=True, default=str) == json.dumps(b.to_dict(), sort_keys=True,
+                                                                             default=str)  # NaN == NaN
     for f in ("t_sent_s", "t_first_s", "t_finish_s", "n_preempted"):
         np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f))
     for k in ra.timeline:
         np.testing.assert_array_equal(ra.timeline[k], rb.timeline[k])
-    assert (c["seed"], a["seed"]) == (4, 3)
-    assert c["n_arrived"] != a["n_arrived"] or c["ttft_mean_ms"] != a["ttft_mean_ms"]
+    assert (c.seed, a.seed) == (4, 3)
+    assert c.n_arrived != a.n_arrived or c.ttft_mean_ms != a.ttft_mean_ms
 
 
 def test_simulate_output(llama) -> None:
     out, res = simulate(llama, _workload(), ServerFlags(max_loras=4), 60.0, seed=0)
-    assert out["oom"] is False and res is not None
-    assert (out["duration_s"], out["model"], out["gpu"]) == (60.0, LLAMA, "h100-64gb")
-    assert out["server"] == {"max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": 12,
-                             "max_num_batched_tokens": 2048, "max_num_seqs": 2048, "max_model_len": 131_072}
-    assert out["wall_s"] > 0 and out["n_arrived"] > 0
+    assert out.oom is False and res is not None
+    assert (out.duration_s, out.model, out.gpu) == (60.0, LLAMA, "h100-64gb")
+    assert out.server.to_dict() == {"max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": 12,
+                                    "max_num_batched_tokens": 2048, "max_num_seqs": 2048, "max_model_len": 131_072}
+    assert out.wall_s > 0 and out.n_arrived > 0
     assert len(res.timeline["t_s"]) == 30  # one sample every 2 s of [0, 60)
 
 
 def test_simulate_duration_defaults(llama) -> None:
-    assert simulate(llama, _workload(n=2, rate=0.1, duration_s=30.0), ServerFlags(max_loras=2))[0][
-        "duration_s"] == 30.0
+    assert simulate(llama, _workload(n=2, rate=0.1, duration_s=30.0), ServerFlags(max_loras=2))[0].duration_s == 30.0
     # explicit duration wins over the workload's
     assert simulate(llama, _workload(n=2, rate=0.1, duration_s=30.0), ServerFlags(max_loras=2),
-                    10.0)[0]["duration_s"] == 10.0
+                    10.0)[0].duration_s == 10.0
     assert DEFAULT_DURATION_S == 3600.0
 
 
@@ -188,22 +188,22 @@ def test_simulate_rejects_bad_duration(llama, dur: float) -> None:
 def test_simulate_oom_returns_no_result(llama) -> None:
     out, res = simulate(llama, _workload(n=300, ranks=(16,), rate=0.01), ServerFlags(max_loras=256), 30.0)
     assert res is None
-    assert out["oom"] is True and out["error_type"] == "kv_cache_insufficient"
-    assert out["n_completed"] == 0 and out["throughput_tok_s"] == 0.0 and out["starved"] is None
-    assert out["kv_cache_tokens"] < llama.max_model_len
+    assert out.oom is True and out.error_type == "kv_cache_insufficient"
+    assert out.n_completed == 0 and out.throughput_tok_s == 0.0 and out.starved is None
+    assert out.kv_cache_tokens < llama.max_model_len
 
 
 def test_simulate_requests_hand_built(llama) -> None:
     req = RequestArrays(np.array([0.0, 0.5, 1.0]), np.array([0, 1, 0]), np.array([100, 200, 50]),
                         np.array([10, 20, 5]))
     out, res = simulate_requests(llama, np.array([8, 16]), req, ServerFlags(max_loras=2), 30.0)
-    assert out["n_arrived"] == out["n_completed"] == 3
-    assert out["throughput_tok_s"] == pytest.approx((350 + 35) / 30.0)
-    assert out["starved"] is False
+    assert out.n_arrived == out.n_completed == 3
+    assert out.throughput_tok_s == pytest.approx((350 + 35) / 30.0)
+    assert out.starved is False
     with pytest.raises(LorapackError):
         simulate_requests(llama, np.array([8, 16]), req, ServerFlags(max_loras=2), 0.0)
 
 
 def test_qwen_runs_too() -> None:
     out, _ = simulate(find_profile(QWEN), _workload(), ServerFlags(max_loras=4), 30.0)
-    assert out["oom"] is False and out["server"]["max_model_len"] == 32_768
+    assert out.oom is False and out.server.max_model_len == 32_768

@@ -11,7 +11,8 @@ import pytest
 
 from lorapack.errors import DataError, LorapackError, ProfileError
 from lorapack.profile import available_profiles, find_profile
-from lorapack.validate import build_workload, parse_counts, read_runs, run_validation, smape
+from lorapack.realruns import build_workload, parse_counts, read_runs, smape
+from lorapack.validate import run_validation
 
 SUMMARY_KEYS = {"n_ok", "n_oom", "n_skipped", "smape_throughput", "smape_itl", "smape_ttft", "starved_agreement",
                 "oom_agreement", "starved_agreement_clear", "smape_throughput_2x", "smape_itl_2x"}

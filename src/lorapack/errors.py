@@ -7,8 +7,14 @@ class LorapackError(Exception):
     """Base class: a problem with the user's input or environment, not a bug."""
 
 
-class SpecError(LorapackError):
-    """A workload, grid or server spec is malformed or inconsistent."""
+class SpecError(LorapackError, ValueError):
+    """A workload, grid, server spec or API argument is malformed or inconsistent.
+
+    Also a ``ValueError``, so Python callers can catch bad arguments the usual way."""
+
+
+class ResourceLimitError(SpecError):
+    """A run would need more requests, memory or steps than the limits allow (``lorapack.guards``)."""
 
 
 class ProfileError(LorapackError):

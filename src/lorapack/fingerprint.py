@@ -1,9 +1,10 @@
 """The twin's behavioural fingerprint: a hash of its outputs on a small fixed probe set plus the profile.
 
-Every sweep row and every model file records it. Two twins with equal fingerprints give the same labels on
-the probes, so models trained on one stay valid for the other (a pure refactor keeps the fingerprint; a
-change of the engine, the step-time model, the metrics, the early-stop rules, the request generator or the
-profile's constants changes it and requires ``make models``).
+Every sweep row and every model file records it. Two twins with equal fingerprints give the same run-level
+answers on the probes, so models trained on one stay valid for the other (a pure refactor keeps the
+fingerprint; a change of the engine, the step-time model, the run-level metrics, the early-stop rules, the
+request generator or the profile's constants changes it and requires ``make models``). Per-adapter labels
+are not part of it: no learned model is trained on them.
 
 The probes run through the same path as sweep rows and the twin oracle (``generate_requests`` ->
 ``simulate_requests``, with and without early termination) and cover idle, healthy, adapter-thrashing and
@@ -30,9 +31,12 @@ PROBES: tuple[tuple[int, int, float, tuple[int, ...], float, bool], ...] = (
     (64, 8, 1.0, (8, 32), 1500.0, True),  # starved, early stop
 )
 # metrics that define the behaviour (timing columns and wall clock excluded)
+# Run-level behaviour only: what the learned models are trained on (throughput, the starvation label, ITL,
+# TTFT), how runs end (early stop) and the engine counters behind them. Per-adapter labels are left out on
+# purpose: no model learns them (their definition has its own tests), so changing it must not void models.
 PROBE_KEYS = ("throughput_tok_s", "incoming_tok_s", "starved", "itl_mean_ms", "ttft_mean_ms", "ttft_p99_ms",
-              "n_arrived", "n_completed", "preemptions", "adapter_loads", "steps", "adapters_starved",
-              "stop_reason", "simulated_s", "kv_cache_tokens")
+              "n_arrived", "n_completed", "preemptions", "adapter_loads", "steps", "stop_reason", "simulated_s",
+              "kv_cache_tokens")
 
 
 def _canon(v):
@@ -60,7 +64,8 @@ def probe_outputs(profile: Profile) -> list[dict]:
         flags = ServerFlags(max_loras=a, max_lora_rank=cand.slot_rank, max_cpu_loras=cand.cpu_loras)
         m, _ = simulate_requests(profile, cand.ranks, req, flags, dur,
                                  early_stop=EarlyStopOptions() if early else None)
-        out.append({key: _canon(m.get(key)) for key in PROBE_KEYS})
+        d = m.to_dict() if hasattr(m, "to_dict") else m
+        out.append({key: _canon(d.get(key)) for key in PROBE_KEYS})
     return out
 
 

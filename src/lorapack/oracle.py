@@ -25,6 +25,7 @@ from numba import njit
 from .errors import SpecError
 from .profile import VLLM_LORA_RANKS, Profile
 from .spec import DEFAULT_MEAN_INPUT_TOKENS, DEFAULT_MEAN_OUTPUT_TOKENS
+from .twin.metrics import RunMetrics
 
 NAN = float("nan")
 
@@ -103,6 +104,21 @@ class GpuCandidate:
         object.__setattr__(self, "ranks", ranks)
         object.__setattr__(self, "rates_rps", rates)
         object.__setattr__(self, "max_loras", int(self.max_loras))
+
+    @classmethod
+    def prevalidated(cls, profile: Profile, ranks: np.ndarray, rates_rps: np.ndarray, max_loras: int,
+                     mean_input_tokens: float | None = None, mean_output_tokens: float | None = None
+                     ) -> GpuCandidate:
+        """A candidate built without the checks of ``__init__``, for callers whose arrays are already
+        validated (int64 ranks >= 1, finite float64 rates >= 0, non-empty; placement's ``Instance``): the
+        greedy builds thousands of candidates per placement, and the checks would dominate its time."""
+        self = object.__new__(cls)
+        for name, v in (("profile", profile), ("ranks", ranks), ("rates_rps", rates_rps),
+                        ("max_loras", int(max_loras)), ("max_lora_rank", None), ("max_cpu_loras", None),
+                        ("max_num_seqs", None), ("max_num_batched_tokens", None),
+                        ("mean_input_tokens", mean_input_tokens), ("mean_output_tokens", mean_output_tokens)):
+            object.__setattr__(self, name, v)
+        return self
 
     # ---- resolved flags ----
     @property
@@ -321,8 +337,8 @@ class TwinOracle(MemoryRuleOracle):
     def _predict_fitting(self, cands: Sequence[GpuCandidate], kv_tokens: Sequence[int]) -> list[Prediction]:
         return [self._one(c) for c in cands]
 
-    def simulate(self, cand: GpuCandidate, seed: int) -> dict:
-        """One twin run of ``cand`` (metrics dict of ``twin.run.simulate_requests``, with ``starved_adapter_indices``)."""
+    def simulate(self, cand: GpuCandidate, seed: int) -> RunMetrics:
+        """One twin run of ``cand`` (``twin.run.simulate_requests``)."""
         import time
 
         from .twin.early import EarlyStopOptions
@@ -341,27 +357,32 @@ class TwinOracle(MemoryRuleOracle):
         return m
 
     def _one(self, cand: GpuCandidate) -> Prediction:
-        runs = [self.simulate(cand, s) for s in self.seeds]
-        first = runs[0]
-        if first["oom"]:  # the start-up rule already passed; kept for safety
-            return refused(cand, first["kv_cache_tokens"], first["error_type"])
+        return self.aggregate(cand, [self.simulate(cand, s) for s in self.seeds])
 
-        def mean(key: str, scale: float = 1.0) -> float:
-            xs = [float(r[key]) for r in runs if r.get(key) is not None and math.isfinite(float(r[key]))]
+    @staticmethod
+    def aggregate(cand: GpuCandidate, runs: Sequence[RunMetrics]) -> Prediction:
+        """One answer from the runs of ``cand`` (one per seed)."""
+        first = runs[0]
+        if first.oom:  # the start-up rule already passed; kept for safety
+            return refused(cand, first.kv_cache_tokens, first.error_type)
+
+        def mean(values: Sequence[float | None], scale: float = 1.0) -> float:
+            xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
             return float(np.mean(xs)) * scale if xs else NAN
 
         bad: set[int] = set()
         for r in runs:
-            bad.update(int(i) for i in r.get("starved_adapter_indices", ()))
+            bad.update(r.starved_adapter_indices)
         return Prediction(
-            fits=True, throughput_tok_s=mean("throughput_tok_s"), incoming_tok_s=mean("incoming_tok_s"),
-            starved=float(np.mean([bool(r["starved"]) for r in runs])), itl_ms=mean("itl_mean_ms"),
-            ttft_s=mean("ttft_mean_ms", 1e-3), kv_cache_tokens=int(first["kv_cache_tokens"]),
-            adapter_starved=float(np.mean([bool(r.get("adapter_starved")) for r in runs])),
-            starved_adapters=tuple(sorted(bad)), ttft_p99_s=mean("ttft_p99_ms", 1e-3),
-            itl_p99_ms=mean("itl_p99_ms"), seeds=len(runs),
-            extra={"stop_reasons": [r.get("stop_reason") for r in runs],
-                   "ttft_penalised_s": mean("ttft_penalised_mean_ms", 1e-3)})
+            fits=True, throughput_tok_s=mean([r.throughput_tok_s for r in runs]),
+            incoming_tok_s=mean([r.incoming_tok_s for r in runs]),
+            starved=float(np.mean([bool(r.starved) for r in runs])), itl_ms=mean([r.itl_mean_ms for r in runs]),
+            ttft_s=mean([r.ttft_mean_ms for r in runs], 1e-3), kv_cache_tokens=int(first.kv_cache_tokens),
+            adapter_starved=float(np.mean([bool(r.adapter_starved) for r in runs])),
+            starved_adapters=tuple(sorted(bad)), ttft_p99_s=mean([r.ttft_p99_ms for r in runs], 1e-3),
+            itl_p99_ms=mean([r.itl_p99_ms for r in runs]), seeds=len(runs),
+            extra={"stop_reasons": [r.stop_reason for r in runs],
+                   "ttft_penalised_s": mean([r.ttft_penalised_mean_ms for r in runs], 1e-3)})
 
 
 def candidate_workload(cand: GpuCandidate, duration_s: float):

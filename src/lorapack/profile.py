@@ -203,9 +203,14 @@ def smallest_vllm_rank(rank: int) -> int:
 
 
 def load_profile_file(path: str | Path) -> Profile:
+    from .checks import input_file_problem
+
     path = Path(path)
-    if not path.is_file():
+    problem = input_file_problem(path)
+    if problem == "file not found":
         raise ProfileError(f"profile file not found: {path}")
+    if problem is not None:
+        raise ProfileError(f"profile {path}: {problem}")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -242,7 +247,6 @@ def find_profile(model: str, gpu: str = "h100-64gb") -> Profile:
 
 def save_profile(profile: Profile, path: str | Path) -> None:
     """Write a profile YAML atomically (no half-written file on error)."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
-    tmp.replace(path)
+    from .checks import write_text_atomic
+
+    write_text_atomic(path, yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))

@@ -53,6 +53,11 @@ ADAPTER_OPTIONAL_COLUMNS = ("path",)
 DEFAULT_MEAN_INPUT_TOKENS = 223.0
 DEFAULT_MEAN_OUTPUT_TOKENS = 197.0
 DEFAULT_LENGTHS_CV = 1.1  # post-filter CV implied by the published runs (twin.md §5, an inference)
+MAX_TOKENS = 2**31 - 1  # token counts are int32 in the engine's inputs
+# log-normal gaps keep their mean 1/rate, but their median is exp(-sigma^2/2)/rate: past sigma ~6 nearly every
+# gap is ~0 and a window's count is set by a handful of huge draws (sigma 50: the run never ends)
+MAX_ARRIVAL_SIGMA = 6.0
+MAX_ADAPTERS = 1_000_000  # per workload; loading and generating a million adapters already takes minutes
 
 
 class _Frozen(BaseModel):
@@ -87,6 +92,13 @@ def _finite_positive(value: float) -> float:
 def _finite_nonnegative(value: float) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError("expected a finite number >= 0")
+    return value
+
+
+def _arrival_sigma(value: float) -> float:
+    if not math.isfinite(value) or not 0 < value <= MAX_ARRIVAL_SIGMA:
+        raise ValueError(f"expected a number in (0, {MAX_ARRIVAL_SIGMA:g}]: larger sigmas make almost every gap "
+                         f"~0 s and a window's count depend on a few huge draws")
     return value
 
 
@@ -137,6 +149,13 @@ class AdapterGroup(_Frozen):
     _c = field_validator("count", "rank")(_positive_int)
     _rt = field_validator("rate_rps")(_rate)
     _id = field_validator("id_prefix", mode="before")(_identifier)
+
+    @field_validator("count")
+    @classmethod
+    def _not_too_many(cls, value: int) -> int:
+        if value > MAX_ADAPTERS:
+            raise ValueError(f"expected at most {MAX_ADAPTERS:,} adapters")
+        return value
 
 
 def expand_adapters(entries: list[Adapter | AdapterGroup]) -> list[Adapter]:
@@ -196,8 +215,8 @@ class LengthsSpec(_Frozen):
     @field_validator("mean_input_tokens", "mean_output_tokens")
     @classmethod
     def _mean(cls, value: float) -> float:
-        if not math.isfinite(value) or value < 1:
-            raise ValueError("expected a finite number of tokens >= 1")
+        if not math.isfinite(value) or not 1 <= value <= MAX_TOKENS:
+            raise ValueError(f"expected a finite number of tokens between 1 and {MAX_TOKENS:,}")
         return value
 
     _cv = field_validator("cv")(_finite_positive)
@@ -227,7 +246,7 @@ class LognormalArrivals(_Frozen):
     kind: Literal["lognormal"] = "lognormal"
     sigma: float = 1.0
 
-    _s = field_validator("sigma")(_finite_positive)
+    _s = field_validator("sigma")(_arrival_sigma)
 
 
 class UnpredictableArrivals(_Frozen):
@@ -246,7 +265,8 @@ class UnpredictableArrivals(_Frozen):
     clip: float = 8.0
     sigma: float = 1.0
 
-    _p = field_validator("period_s", "sigma")(_finite_positive)
+    _p = field_validator("period_s")(_finite_positive)
+    _s = field_validator("sigma")(_arrival_sigma)
 
     @field_validator("factor", "clip")
     @classmethod
@@ -398,6 +418,9 @@ class _WorkloadFile(_Frozen):
     def _one_source(self) -> _WorkloadFile:
         if (self.adapters is None) == (self.adapters_csv is None):
             raise ValueError("expected exactly one of 'adapters' (a list) or 'adapters_csv' (a path)")
+        n = sum(e.count if isinstance(e, AdapterGroup) else 1 for e in self.adapters or ())
+        if n > MAX_ADAPTERS:
+            raise ValueError(f"{n:,} adapters; expected at most {MAX_ADAPTERS:,} per workload")
         return self
 
 
@@ -631,8 +654,7 @@ def _load_yaml(path: Path) -> Workload:
     base = path.parent
     if spec.adapters_csv is not None:
         csv_path = Path(_resolve(base, spec.adapters_csv))
-        if not csv_path.is_file():
-            raise SpecError(f"{file}:{lines[('adapters_csv',)]}: adapters_csv: file not found: {csv_path}")
+        _check_data_file(csv_path, file, lines[("adapters_csv",)], "adapters_csv")
         adapters = load_adapters_csv(csv_path)
     else:
         assert spec.adapters is not None
@@ -661,8 +683,13 @@ def _load_yaml(path: Path) -> Workload:
 
 
 def _check_data_file(path: Path, file: str, line: int, where: str) -> None:
-    if not path.is_file():
+    from .checks import input_file_problem
+
+    problem = input_file_problem(path)
+    if problem == "file not found":
         raise SpecError(f"{file}:{line}: {where}: file not found: {path}")
+    if problem is not None:
+        raise SpecError(f"{file}:{line}: {where}: {path}: {problem}")
 
 
 def _load_data_files(workload: Workload, where: str | None) -> None:

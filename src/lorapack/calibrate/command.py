@@ -2,7 +2,7 @@
 
 1. closed-form priors from the profiling directory (``priors.fit_priors_from``, twin.md §3.5 step 1);
 2. with ``--runs``: simulation-based refinement of the free step-time constants (``refine.refine``), in two
-   stages (every third run, then all runs), and a final validation on all runs (``refine.score_runs``);
+   stages (every third run, then all runs), and a final validation on all runs (``realruns.score_runs``);
 3. the profile YAML (priors section + refined values + provenance), written atomically, and optionally the
    fit-report plots (``report.write_report``).
 
@@ -12,25 +12,23 @@ Every input problem raises a ``DataError`` (one line, exit code 2 in the CLI) be
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..checks import check_output_dir, check_output_file
 from ..errors import DataError
 from ..profile import Priors, Profile, save_profile
+from ..realruns import RunComparison, compare_runs, run_group, score_runs
 from .priors import _floats, fit_priors_from, lora_overhead_points
 from .refine import (
     DEFAULT_FREE,
     FREE_PARAMS,
     Evaluator,
     param_value,
-    per_run_table,
     refine,
-    run_group,
-    score_runs,
     with_values,
 )
 
@@ -53,7 +51,7 @@ def _sha256(path: Path) -> str:
 
 def load_runs(path: Path, model: str) -> list[dict]:
     """The rows of ``model`` in a runs CSV, checked for what the refinement needs (DataError otherwise)."""
-    from ..validate import _num, read_runs
+    from ..realruns import check_row, read_runs
 
     rows = read_runs(path)
     cols = set(rows[0]) if rows else set()
@@ -66,22 +64,9 @@ def load_runs(path: Path, model: str) -> list[dict]:
     for line, r in enumerate(rows, start=2):
         if (r.get("model") or "").strip() != model:
             continue
-        status = (r.get("status") or "").strip()
-        if status not in ("ok", "oom"):
-            raise DataError(f"{path}:{line}: status {r.get('status')!r}; expected ok or oom")
-        for c in ("max_loras", "max_lora_rank", "n_adapters"):
-            v = _num(r, c)
-            if v is None or not math.isfinite(v) or v < 1 or v != int(v):
-                raise DataError(f"{path}:{line}: column '{c}' = {r.get(c)!r}; expected an integer >= 1")
-        if status != "ok":
-            continue
-        for c in RUNS_MEASURED:
-            v = _num(r, c)
-            if v is None or not math.isfinite(v) or v <= 0:
-                raise DataError(f"{path}:{line}: column '{c}' is empty, NaN or not positive in an ok run")
-        if not (r.get("rank_counts") or "").strip() or not (r.get("rate_counts") or "").strip():
-            raise DataError(f"{path}:{line}: an ok run needs rank_counts and rate_counts")
-        ok.append(r)
+        check_row(r, f"{path}:{line}", measured=RUNS_MEASURED, need_counts=True)
+        if (r.get("status") or "").strip() == "ok":
+            ok.append(r)
     if len(ok) < MIN_OK_RUNS:
         raise DataError(f"{path}: {len(ok)} ok run(s) of {model}, need at least {MIN_OK_RUNS} to refine")
     return mine
@@ -131,11 +116,11 @@ def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] 
 
 
 def validate_profile(prof: Profile, rows: list[dict], *, seeds: Sequence[int] = (0,), lengths: str = "lognormal",
-                     workers: int = 0) -> tuple[dict, list[dict]]:
+                     workers: int = 0) -> tuple[dict, list[RunComparison]]:
     """Scores and per-run table of ``prof`` on ``rows`` (oom rows are scored on the start-up rule)."""
     with Evaluator(list(rows), seeds=seeds, lengths=lengths, n_jobs=workers if workers > 0 else -1) as ev:
         preds = ev({prof.model: prof})
-    table = per_run_table(rows, preds)
+    table = compare_runs(rows, preds)
     scores = score_runs(rows, preds)
     by_group = {}
     for g in sorted({run_group(r["run_id"]) for r in rows}):
@@ -160,8 +145,10 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
     if bad:
         raise DataError(f"--free {','.join(bad)}: unknown; expected names among {', '.join(FREE_PARAMS)}")
     out_path = Path(out) if out is not None else Path.cwd() / default_profile_name(model, gpu, vllm_version)
-    if not out_path.parent.is_dir():
-        raise DataError(f"--out {out_path}: directory {out_path.parent} does not exist")
+    # outputs are checked before the (long) fits: a bad path is an error now, not after the work
+    check_output_file(out_path, "--out")
+    if report is not None:
+        check_output_dir(report, "--report")
     rows = load_runs(Path(runs), model) if runs is not None else None
 
     prior = fit_priors_from(profiling, runs, model, gpu=gpu, vllm_version=vllm_version,
@@ -174,8 +161,8 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
     summary: dict[str, Any] = {"model": model, "gpu": gpu, "vllm_version": vllm_version, "profile": str(out_path),
                                "fits": _fit_summary(prov.get("fits", {}))}
     prof = prior
-    table: list[dict] = []
-    table_prior: list[dict] = []
+    table: list[RunComparison] = []
+    table_prior: list[RunComparison] = []
     if rows is not None:
         seed_list = list(range(seeds))
         anchors = lora_overhead_points(profiling, model)

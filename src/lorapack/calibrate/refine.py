@@ -1,18 +1,17 @@
 """Simulation-based refinement of the step-time constants against real end-to-end runs (twin.md §3.5 step 2).
 
-Every real run (schema of ``shared/data/real-runs/calibration.csv``) is rebuilt as ``lorapack validate`` does
-(same adapters, rates, pool-mean lengths, window, flags and client-saturation cap) and simulated with a
-candidate profile. ``refine`` chooses the free step-time constants that minimise the log errors of throughput
-and ITL over the runs (robust ``soft_l1`` least squares, finite-difference Jacobian, scipy
-``least_squares``), with the closed-form priors as Gaussian regularisation. ``score_runs`` computes the same
-scores as ``lorapack validate`` (both SMAPE conventions, starvation and OOM agreement) for any profile.
+Every real run (schema of ``shared/data/real-runs/calibration.csv``) is rebuilt and simulated with a candidate
+profile by ``lorapack.realruns`` (as ``lorapack validate`` does: same adapters, rates, pool-mean lengths, window,
+flags and client-saturation cap). ``refine`` chooses the free step-time constants that minimise the log errors of
+throughput and ITL over the runs (robust ``soft_l1`` least squares, finite-difference Jacobian, scipy
+``least_squares``), with the closed-form priors as Gaussian regularisation. Scores (both SMAPE conventions,
+starvation and OOM agreement) are ``realruns.score_runs``, the same as ``lorapack validate``'s.
 
 Everything is a pure function of (profile, runs, seeds): re-running reproduces the same constants.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +22,8 @@ import numpy as np
 
 from ..errors import DataError
 from ..profile import Profile, RunsLengths
-from ..validate import NOISY_RATIO, _num, build_workload, smape
+from ..realruns import RunPrediction, row_float, simulate_run, startup_prediction
+from ..twin.metrics import RunMetrics
 
 # The free constants the refinement may move: profile field, prior sd (the regularisation scale), bounds.
 # Priors that the profiling data does not inform (e1p, e3, e4, gamma) are centred on the neutral value of the
@@ -59,13 +59,6 @@ DEFAULT_CV = 1.1  # the spec default (twin.md §5): the prior of the fitted CV
 
 # Residual scale: a 5 % log error is one unit; soft_l1 is quadratic below that and linear above (like SMAPE).
 RESIDUAL_SCALE = 0.05
-GROUP_SEP = "__"
-
-
-def run_group(run_id: str) -> str:
-    """The group of a run: the middle part of ``run_id`` (``<prefix>__<model>__<group>___<suffix>``)."""
-    parts = run_id.split(GROUP_SEP)
-    return parts[2].rstrip("_") if len(parts) >= 3 else ""
 
 
 def param_value(name: str, profile: Profile) -> float:
@@ -89,67 +82,12 @@ def with_values(profile: Profile, values: dict[str, float]) -> Profile:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# simulating the real runs
-
-
-def simulate_run(profile: Profile, row: dict, seed: int = 0, lengths: str = "lognormal", cv: float | None = None,
-                 client_cap: int | None = None) -> dict:
-    """Rebuild one real run (as ``lorapack validate`` does) and simulate it with ``profile``.
-
-    ``cv`` overrides the profile's fitted length CV (``profile.runs_lengths``)."""
-    from ..twin.run import REAL_CLIENT_CAP, ServerFlags, simulate
-
-    if cv is None and profile.runs_lengths is not None:
-        cv = profile.runs_lengths.cv
-    if cv is not None and lengths == "lognormal":
-        cv = feasible_cv(_num(row, "mean_input_tokens", 223.0), _num(row, "mean_output_tokens", 197.0), cv)
-    wl = build_workload(row, seed, lengths, cv)
-    flags = ServerFlags(
-        max_loras=int(float(row["max_loras"])), max_lora_rank=int(float(row["max_lora_rank"])),
-        max_cpu_loras=int(_num(row, "max_cpu_loras", float(row["n_adapters"]))),
-        max_num_batched_tokens=int(_num(row, "max_num_batched_tokens", profile.max_num_batched_tokens)),
-        max_num_seqs=int(_num(row, "max_num_seqs", profile.max_num_seqs)),
-        client_cap=REAL_CLIENT_CAP if client_cap is None else int(client_cap))
-    out, _ = simulate(profile, wl, flags, wl.duration_s, seed)
-    keep = ("oom", "throughput_tok_s", "itl_mean_ms", "ttft_mean_ms", "starved", "throughput_ratio",
-            "running_mean", "waiting_max", "preemptions", "adapter_loads", "wall_s")
-    return {k: out.get(k) for k in keep}
-
-
-@functools.lru_cache(maxsize=4096)
-def feasible_cv(mean_input: float, mean_output: float, cv: float) -> float:
-    """``cv``, or the largest CV below it that the truncated log-normal law can reach for these post-filter
-    means (high CVs are unreachable under the ShareGPT filter: P <= 1024, P + O <= 2048). Lets the refinement
-    try any CV: beyond the reachable range the response is flat and the prior pulls it back."""
-    from ..errors import SpecError
-    from ..workload.lengths import solve_lognormal_lengths
-
-    def ok(c: float) -> bool:
-        try:
-            solve_lognormal_lengths(mean_input, mean_output, c)
-        except SpecError:
-            return False
-        return True
-
-    if ok(cv):
-        return cv
-    lo, hi = min(cv, 0.05), cv
-    if not ok(lo):
-        return cv  # nothing reachable: let the workload raise its own message
-    for _ in range(20):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
-
-
-def _mean(vals: Sequence[Any]) -> float:
-    xs = [float(v) for v in vals if v is not None and math.isfinite(float(v))]
-    return float(np.mean(xs)) if xs else math.nan
+# simulating the real runs (rebuilt by ``lorapack.realruns``, as ``lorapack validate`` does)
 
 
 @dataclass
 class Evaluator:
-    """Simulates a fixed list of runs for candidate profiles, in parallel (joblib processes).
+    """Predicts a fixed list of runs for candidate profiles, simulating them in parallel (joblib processes).
 
     ``evaluator(profiles)`` predicts the rows of the models in ``profiles`` (``None`` for other rows);
     ``evaluator.many([profiles, ...])`` does several candidates in one parallel batch (better balance).
@@ -177,40 +115,33 @@ class Evaluator:
             self._pool.__exit__(*exc)
             self._pool = None
 
-    def __call__(self, profiles: dict[str, Profile]) -> list[dict | None]:
+    def __call__(self, profiles: dict[str, Profile]) -> list[RunPrediction | None]:
         return self.many([profiles])[0]
 
-    def many(self, candidates: Sequence[dict[str, Profile]]) -> list[list[dict | None]]:
+    def many(self, candidates: Sequence[dict[str, Profile]]) -> list[list[RunPrediction | None]]:
         from joblib import Parallel, delayed
 
         t0 = time.perf_counter()
-        preds: list[list[dict | None]] = [[None] * len(self.rows) for _ in candidates]
+        preds: list[list[RunPrediction | None]] = [[None] * len(self.rows) for _ in candidates]
         todo = []
         for c, profiles in enumerate(candidates):
             for i, r in enumerate(self.rows):
                 prof = profiles.get(r["model"])
                 if prof is None:
                     continue
-                if not prof.startup(int(float(r["max_loras"])), int(float(r["max_lora_rank"])))[0]:
-                    preds[c][i] = {"oom": True}
-                elif (r.get("status") or "").strip() == "ok":
+                preds[c][i] = startup_prediction(prof, r)
+                if preds[c][i] is None:
                     todo.extend((c, i, s) for s in self.seeds)
-                else:
-                    preds[c][i] = {"oom": False}  # a real oom row that the profile would start
         # heaviest runs first (most adapters x highest rates) for a better balance over the workers
         todo.sort(key=lambda t: -_load_key(self.rows[t[1]]))
         pool = self._pool or Parallel(n_jobs=self.n_jobs)
         outs = pool(delayed(simulate_run)(candidates[c][self.rows[i]["model"]], self.rows[i], s, self.lengths,
                                           self.cv) for c, i, s in todo)
-        by_row: dict[tuple[int, int], list[dict]] = {}
+        by_row: dict[tuple[int, int], list[RunMetrics]] = {}
         for (c, i, _s), o in zip(todo, outs, strict=True):
             by_row.setdefault((c, i), []).append(o)
-        for (c, i), os_ in by_row.items():
-            starved = [bool(o["starved"]) for o in os_]
-            preds[c][i] = {"oom": False, **{k: _mean([o[k] for o in os_]) for k in (
-                "throughput_tok_s", "itl_mean_ms", "ttft_mean_ms", "throughput_ratio", "running_mean",
-                "waiting_max", "preemptions", "adapter_loads", "wall_s")},
-                "starved": bool(np.mean(starved) >= 0.5)}
+        for (c, i), runs in by_row.items():
+            preds[c][i] = RunPrediction.from_runs(runs)
         self.n_evals += len(candidates)
         self.n_sims += len(todo)
         self.wall_s += time.perf_counter() - t0
@@ -218,83 +149,8 @@ class Evaluator:
 
 
 def _load_key(row: dict) -> float:
-    rates = _num(row, "incoming_req_s", None)
+    rates = row_float(row, "incoming_req_s", None)
     return (rates or 1.0) * float(row.get("n_adapters") or 1)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# scores (the same definitions as ``lorapack validate``)
-
-
-def score_runs(rows: Sequence[dict], preds: Sequence[dict]) -> dict:
-    """Scores of predictions against the measured rows: both SMAPE conventions, starvation, OOM."""
-    thr_y, thr_p, itl_y, itl_p, ttft_y, ttft_p = [], [], [], [], [], []
-    conf = {"tp": 0, "fn": 0, "fp": 0, "tn": 0}
-    conf_clear = dict(conf)
-    oom_agree, false_accept, false_reject = [], 0, 0
-    for r, p in zip(rows, preds, strict=True):
-        real_oom = (r.get("status") or "").strip() == "oom"
-        oom_agree.append(real_oom == bool(p["oom"]))
-        false_accept += int(real_oom and not p["oom"])
-        false_reject += int(p["oom"] and not real_oom)
-        if real_oom or p["oom"]:
-            continue
-        thr_y.append(_num(r, "throughput_tok_s", math.nan))
-        thr_p.append(p["throughput_tok_s"])
-        itl_y.append(_num(r, "itl_mean_ms", math.nan))
-        itl_p.append(p["itl_mean_ms"])
-        ttft_y.append(_num(r, "ttft_mean_ms", math.nan))
-        ttft_p.append(p["ttft_mean_ms"])
-        s_real = _num(r, "starved")
-        if s_real is None:
-            continue
-        key = ("t" if bool(s_real) == bool(p["starved"]) else "f") + ("p" if p["starved"] else "n")
-        conf[key] += 1
-        ratio = _num(r, "throughput_ratio")
-        if ratio is not None and not (NOISY_RATIO[0] <= ratio <= NOISY_RATIO[1]):
-            conf_clear[key] += 1
-
-    def agree(c: dict) -> float:
-        n = sum(c.values())
-        return (c["tp"] + c["tn"]) / n if n else math.nan
-
-    out = {"n_runs": len(rows), "n_scored": len(thr_y)}
-    for name, y, yh in (("throughput", thr_y, thr_p), ("itl", itl_y, itl_p), ("ttft", ttft_y, ttft_p)):
-        out[f"smape_{name}"] = smape(np.array(y, float), np.array(yh, float))
-        out[f"smape_{name}_2x"] = smape(np.array(y, float), np.array(yh, float), 2)
-    out.update(starved_agreement=agree(conf), starved_agreement_clear=agree(conf_clear),
-               n_labelled=sum(conf.values()), n_clear=sum(conf_clear.values()),
-               starvation_confusion={"real_starved_pred_starved": conf["tp"],
-                                     "real_starved_pred_healthy": conf["fn"],
-                                     "real_healthy_pred_starved": conf["fp"],
-                                     "real_healthy_pred_healthy": conf["tn"]},
-               starvation_confusion_clear={"real_starved_pred_starved": conf_clear["tp"],
-                                           "real_starved_pred_healthy": conf_clear["fn"],
-                                           "real_healthy_pred_starved": conf_clear["fp"],
-                                           "real_healthy_pred_healthy": conf_clear["tn"]},
-               oom_agreement=float(np.mean(oom_agree)) if oom_agree else math.nan,
-               oom_false_accept=false_accept, oom_false_reject=false_reject)
-    return out
-
-
-def per_run_table(rows: Sequence[dict], preds: Sequence[dict]) -> list[dict]:
-    """Measured vs predicted per run (for plots and reports)."""
-    out = []
-    for r, p in zip(rows, preds, strict=True):
-        out.append({"run_id": r["run_id"], "model": r["model"], "group": run_group(r["run_id"]),
-                    "max_loras": int(float(r["max_loras"])), "n_adapters": int(float(r["n_adapters"])),
-                    "max_lora_rank": int(float(r["max_lora_rank"])), "status": r["status"].strip(),
-                    "measured_oom": r["status"].strip() == "oom", "predicted_oom": bool(p["oom"]),
-                    "measured_throughput_tok_s": _num(r, "throughput_tok_s"),
-                    "predicted_throughput_tok_s": p.get("throughput_tok_s"),
-                    "measured_itl_ms": _num(r, "itl_mean_ms"), "predicted_itl_ms": p.get("itl_mean_ms"),
-                    "measured_ttft_ms": _num(r, "ttft_mean_ms"), "predicted_ttft_ms": p.get("ttft_mean_ms"),
-                    "measured_throughput_ratio": _num(r, "throughput_ratio"),
-                    "measured_starved": None if _num(r, "starved") is None else bool(_num(r, "starved")),
-                    "predicted_starved": p.get("starved"),
-                    "measured_running_mean": _num(r, "running_mean"),
-                    "predicted_running_mean": p.get("running_mean")})
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -307,14 +163,14 @@ def _log_err(pred: float | None, real: float | None) -> float:
     return math.log(pred / real)
 
 
-def data_residuals(rows: Sequence[dict], preds: Sequence[dict], itl_weight: float = 1.0) -> np.ndarray:
+def data_residuals(rows: Sequence[dict], preds: Sequence[RunPrediction], itl_weight: float = 1.0) -> np.ndarray:
     """Per scored run: log throughput error and (weighted) log ITL error, in units of RESIDUAL_SCALE."""
     res = []
     for r, p in zip(rows, preds, strict=True):
-        if (r.get("status") or "").strip() != "ok" or p["oom"]:
+        if (r.get("status") or "").strip() != "ok" or p.oom:
             continue
-        et = _log_err(p.get("throughput_tok_s"), _num(r, "throughput_tok_s"))
-        ei = _log_err(p.get("itl_mean_ms"), _num(r, "itl_mean_ms"))
+        et = _log_err(p.throughput_tok_s, row_float(r, "throughput_tok_s"))
+        ei = _log_err(p.itl_mean_ms, row_float(r, "itl_mean_ms"))
         # a run the candidate cannot score (e.g. nothing completed) gets a large, finite penalty
         res.append(et if math.isfinite(et) else 1.0)
         res.append(itl_weight * (ei if math.isfinite(ei) else 1.0))
@@ -356,7 +212,7 @@ def lora_anchor_residuals(profile: Profile, anchors: Sequence[dict]) -> np.ndarr
 
 
 def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Sequence[dict],
-           evaluator: Callable[[dict[str, Profile]], list[dict]], free: Sequence[str] = DEFAULT_FREE,
+           evaluator: Callable[[dict[str, Profile]], list[RunPrediction | None]], free: Sequence[str] = DEFAULT_FREE,
            start: dict[str, dict[str, float]] | None = None, prior_weight: float = 1.0,
            itl_weight: float = 1.0, anchors: dict[str, Sequence[dict]] | None = None, anchor_weight: float = 1.0,
            max_nfev: int = 40, diff_step: float = 0.1,
@@ -396,7 +252,7 @@ def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Seque
     x0 = np.concatenate([np.clip(current(m) / scale, lo, hi) for m in models])
     k = len(free)
     lo, hi = np.tile(lo, len(models)), np.tile(hi, len(models))
-    cache: dict[tuple[str, bytes], list[dict | None]] = {}
+    cache: dict[tuple[str, bytes], list[RunPrediction | None]] = {}
     hist: list[dict] = []
 
     def unpack(x: np.ndarray) -> dict[str, dict[str, float]]:

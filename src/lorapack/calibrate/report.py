@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..profile import Profile
+from ..realruns import RunComparison
 from ..twin.run import ResolvedServer, step_model
 from ..twin.steptime import S0, SB, SBASE, SW, SWA, compute_ms, sched_ms
 
@@ -45,9 +46,14 @@ def _plt():
 
 
 def _save(fig, path: Path, written: list[str]) -> None:
+    from ..checks import atomic_path
+
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
+    try:
+        with atomic_path(path) as tmp:  # a failed write leaves no half-written plot
+            fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png")
+    finally:
+        _plt().close(fig)
     written.append(path.name)
 
 
@@ -63,15 +69,15 @@ def _lora_ms(prof: Profile, steptime, a: int, s: int, b_dec: float, n_pf: float,
                             int(round(b_dec + n_pf)), ctx, int(round(n_lora))))
 
 
-def write_report(out_dir: Path, prof: Profile, profiling: Path, runs_table: list[dict],
-                 prior_table: list[dict] | None = None) -> list[str]:
+def write_report(out_dir: Path, prof: Profile, profiling: Path, runs_table: list[RunComparison],
+                 prior_table: list[RunComparison] | None = None) -> list[str]:
     """Write every plot into ``out_dir`` (created); returns the file names."""
     try:
         _plt()
     except ImportError as e:  # matplotlib is a dependency, but keep the message clear if it is missing
         raise DataError(f"--report needs matplotlib ({e})") from None
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)  # its parent was checked up front (checks.check_output_dir)
     written: list[str] = []
     m = prof.model
     _memory(out_dir, prof, _rows(profiling / "memory_kv_capacity.csv", m), written)
@@ -251,24 +257,33 @@ def _scheduler(d: Path, prof: Profile, rows: list[dict], written: list[str]) -> 
     _save(fig, d / "scheduler.png", written)
 
 
-def _runs(d: Path, prof: Profile, table: list[dict], prior: list[dict], written: list[str]) -> None:
+def _measured(t: RunComparison, key: str) -> float | None:
+    return getattr(t, f"measured_{key}")
+
+
+def _predicted(t: RunComparison, key: str) -> float:
+    return getattr(t, f"predicted_{key}")
+
+
+def _runs(d: Path, prof: Profile, table: list[RunComparison], prior: list[RunComparison],
+          written: list[str]) -> None:
     plt = _plt()
-    groups = sorted({t["group"] for t in table})
+    groups = sorted({t.group for t in table})
     colors = {g: GROUP_COLORS[j % len(GROUP_COLORS)] for j, g in enumerate(groups)}
-    ok = [t for t in table if not t["measured_oom"] and not t["predicted_oom"]]
-    pok = [t for t in prior if not t["measured_oom"] and not t["predicted_oom"]]
+    ok = [t for t in table if t.scored]
+    pok = [t for t in prior if t.scored]
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     for ax, key, label in zip(axes, ("throughput_tok_s", "itl_ms", "ttft_ms"),
                               ("throughput (tok/s)", "ITL mean (ms)", "TTFT mean, completed (ms)"), strict=True):
         for g in groups:
-            sel = [t for t in ok if t["group"] == g]
-            ax.scatter([t[f"measured_{key}"] for t in sel], [t[f"predicted_{key}"] for t in sel], s=14,
+            sel = [t for t in ok if t.group == g]
+            ax.scatter([_measured(t, key) for t in sel], [_predicted(t, key) for t in sel], s=14,
                        color=colors[g], label=g)
-            psel = [t for t in pok if t["group"] == g]
+            psel = [t for t in pok if t.group == g]
             if psel:
-                ax.scatter([t[f"measured_{key}"] for t in psel], [t[f"predicted_{key}"] for t in psel], s=10,
+                ax.scatter([_measured(t, key) for t in psel], [_predicted(t, key) for t in psel], s=10,
                            facecolors="none", edgecolors=colors[g], alpha=0.4, lw=0.6)
-        vals = [v for t in ok for v in (t[f"measured_{key}"], t[f"predicted_{key}"]) if v and v > 0]
+        vals = [v for t in ok for v in (_measured(t, key), _predicted(t, key)) if v and v > 0]
         if vals:
             lo, hi = min(vals) * 0.8, max(vals) * 1.25
             ax.plot([lo, hi], [lo, hi], color="k", lw=0.8)
@@ -281,12 +296,12 @@ def _runs(d: Path, prof: Profile, table: list[dict], prior: list[dict], written:
 
     fig, axes = plt.subplots(2, len(groups), figsize=(5 * len(groups), 7.5), squeeze=False)
     for j, g in enumerate(groups):
-        sel = [t for t in ok if t["group"] == g]
+        sel = [t for t in ok if t.group == g]
         for i, key in enumerate(("throughput_tok_s", "itl_ms")):
             ax = axes[i][j]
             for t in sel:
-                e = 100 * (t[f"predicted_{key}"] / t[f"measured_{key}"] - 1)
-                ax.scatter(t["max_loras"], e, s=8 + t["n_adapters"] / 8, color=colors[g], alpha=0.7)
+                e = 100 * (_predicted(t, key) / _measured(t, key) - 1)
+                ax.scatter(t.max_loras, e, s=8 + t.n_adapters / 8, color=colors[g], alpha=0.7)
             ax.axhline(0, color="k", lw=0.8)
             ax.set_xscale("log", base=2)
             ax.set(xlabel="A (marker size ~ N)", ylabel=f"twin / real - 1 (%), {key.split('_')[0]}")

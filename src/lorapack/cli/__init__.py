@@ -13,7 +13,19 @@ from typing import Annotated
 import typer
 
 from ..errors import LorapackError
-from . import calibrate, demo, explain, profiles, refine_trees, simulate, sweep, train, validate
+from . import (
+    calibrate,
+    demo,
+    evaluate,
+    explain,
+    place,
+    profiles,
+    refine_trees,
+    simulate,
+    sweep,
+    train,
+    validate,
+)
 from .common import DEBUG as _DEBUG
 from .common import err_console, print_json, write_csv_atomic
 
@@ -37,6 +49,8 @@ app.command("calibrate")(calibrate.calibrate)
 app.command("train")(train.train)
 app.command("refine")(refine_trees.refine)
 app.command("explain")(explain.explain)
+app.command("place")(place.place)
+app.command("evaluate")(evaluate.evaluate)
 
 
 def main() -> None:
@@ -47,6 +61,12 @@ def main() -> None:
         if _DEBUG["on"] or os.environ.get("LORAPACK_DEBUG"):
             raise
         err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except MemoryError:  # past the guards' estimate (or with --force): still one line, not a traceback
+        if _DEBUG["on"] or os.environ.get("LORAPACK_DEBUG"):
+            raise
+        err_console.print("[red]error:[/red] out of memory: this run needs more memory than is free on this "
+                          "machine; use a shorter --duration-s or fewer requests", highlight=False, soft_wrap=True)
         sys.exit(2)
     except (KeyboardInterrupt, BrokenPipeError):
         sys.exit(130)

@@ -1,4 +1,12 @@
-"""Shared by every command module: consoles, JSON output, number formatting, atomic CSV writes, option types.
+"""Shared by every command module: consoles, JSON output, number formatting, atomic CSV writes, option types,
+and the checks every command applies the same way (re-exported from ``lorapack.checks``):
+
+* ``check_output_file(path, "--out")`` / ``check_output_dir(path, "--out")``: call them on every output path
+  *before* the work starts (a directory where a file is expected, a missing parent, a read-only place are
+  one-line errors, and nothing is written); then write with ``write_csv_atomic`` / ``atomic_path``;
+* ``check_workers(n)`` (>= 0, 0 = all cores), ``check_limit(k)`` (>= 1);
+* ``load_profile(model, gpu, profile)``: ``--profile FILE`` or ``--model``/``--gpu`` (not both);
+* ``ForceOpt`` + ``limits(force)``: the resource limits of ``lorapack.guards``, lifted by ``--force``.
 
 A leaf module: it imports nothing from the command modules (``lorapack.cli`` registers them)."""
 
@@ -14,7 +22,9 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from ..checks import atomic_path, check_limit, check_output_dir, check_output_file, check_workers
 from ..errors import SpecError
+from ..guards import Limits, limits_help
 
 # pipes and CI get 80 columns by default, too narrow for the tables
 console = Console() if sys.stdout.isatty() else Console(width=140)
@@ -39,14 +49,29 @@ def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(json_safe(obj), indent=2) + "\n")
 
 
-def load_profile(model: str | None, gpu: str, profile: Path | None):
+DEFAULT_GPU = "h100-64gb"
+
+
+def load_profile(model: str | None, gpu: str | None, profile: Path | None):
+    """The profile of ``--profile FILE``, or the shipped one of ``--model`` on ``--gpu`` (default h100-64gb).
+
+    ``--profile`` names its own model and GPU, so giving ``--model`` or ``--gpu`` with it is an error."""
     from ..profile import find_profile, load_profile_file
 
     if profile is not None:
+        given = [f"{o} {v}" for o, v in (("--model", model), ("--gpu", gpu)) if v]
+        if given:
+            raise SpecError(f"--profile {profile} and {' / '.join(given)}: give one or the other (the profile "
+                            f"file names its own model and GPU)")
         return load_profile_file(profile)
     if not model:
         raise SpecError("--model is required (or --profile FILE); e.g. --model llama-3.1-8b-instruct")
-    return find_profile(model, gpu)
+    return find_profile(model, gpu or DEFAULT_GPU)
+
+
+def limits(force: bool) -> Limits:
+    """The resource limits of one run (``lorapack.guards``); ``--force`` lifts the soft ones."""
+    return Limits(force=bool(force))
 
 
 def fmt(v: Any, digits: int = 1) -> str:
@@ -66,22 +91,22 @@ def write_csv_atomic(path: Path, columns: dict[str, Any]) -> None:
     path = Path(path)
     if not path.parent.exists():
         raise SpecError(f"cannot write {path}: directory {path.parent} does not exist")
-    tmp = path.with_name(path.name + ".tmp")
     names = list(columns)
     n = len(columns[names[0]]) if names else 0
-    try:
-        with tmp.open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(names)
-            for i in range(n):
-                w.writerow([json_safe(columns[c][i]) for c in names])
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(names)
+        for i in range(n):
+            w.writerow([json_safe(columns[c][i]) for c in names])
 
 
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model key, e.g. llama-3.1-8b-instruct.")]
-GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU key of the shipped profile.")]
+GpuOpt = Annotated[str | None, typer.Option("--gpu", help=f"GPU key of the shipped profile [default: {DEFAULT_GPU}].")]
 ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="Profile YAML (instead of --model/--gpu).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help=limits_help())]
+WorkersOpt = Annotated[int, typer.Option("--workers", help="Parallel processes (0 = all cores).")]
+
+__all__ = ["DEFAULT_GPU", "ForceOpt", "GpuOpt", "JsonOpt", "ModelOpt", "ProfileOpt", "WorkersOpt", "atomic_path",
+           "check_limit", "check_output_dir", "check_output_file", "check_workers", "console", "err_console",
+           "fmt", "json_safe", "limits", "load_profile", "print_json", "write_csv_atomic"]

@@ -10,8 +10,13 @@ import typer
 
 from ..errors import SpecError
 from .common import (
+    ForceOpt,
     JsonOpt,
+    check_limit,
+    check_output_dir,
+    check_workers,
     console,
+    limits,
     print_json,
 )
 
@@ -35,6 +40,7 @@ def sweep(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Override the grid's model.")] = None,
     gpu: Annotated[str | None, typer.Option("--gpu", help="Override the grid's GPU.")] = None,
     print_grid: Annotated[bool, typer.Option("--print-grid", help="Print the grid as YAML and exit.")] = False,
+    force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Run the twin over a grid of configurations and append one row per config to Parquet parts in --out."""
@@ -49,13 +55,16 @@ def sweep(
         return
     if out is None:
         raise SpecError("--out DIR is required")
+    check_workers(workers)
+    check_limit(limit)
+    check_output_dir(out, "--out")  # before any work (run_sweep checks again, for API callers)
     tests = {t.strip() for t in early_stop_tests.split(",") if t.strip()}
     if not tests <= {"certain", "likely", "healthy"}:
         raise SpecError(f"--early-stop-tests {early_stop_tests}: expected a comma list of certain, likely, healthy")
     shortcuts = Shortcuts(early_stop=early_stop, certain="certain" in tests, likely="likely" in tests,
                           healthy="healthy" in tests, prune=prune)
     summary = run_sweep(spec, out, backend=backend, address=address, workers=workers, limit=limit,
-                        resume=resume, shortcuts=shortcuts, progress=not json_out)
+                        resume=resume, shortcuts=shortcuts, progress=not json_out, limits=limits(force))
     if json_out:
         print_json(summary)
         return

@@ -10,10 +10,16 @@ from rich.table import Table
 
 from ..errors import SpecError
 from .common import (
+    DEFAULT_GPU,
+    ForceOpt,
     GpuOpt,
     JsonOpt,
+    check_limit,
+    check_output_file,
+    check_workers,
     console,
     fmt,
+    limits,
     print_json,
     write_csv_atomic,
 )
@@ -22,7 +28,10 @@ from .common import (
 def validate(
     runs: Annotated[Path, typer.Argument(help="Real runs CSV (schema of shared/data/real-runs/*.csv).")],
     seeds: Annotated[int, typer.Option(help="Seeds per run; metrics are averaged.")] = 1,
-    gpu: GpuOpt = "h100-64gb",
+    gpu: GpuOpt = None,
+    profile: Annotated[Path | None, typer.Option(
+        "--profile", help="Score the runs of this profile's model with it (e.g. one you calibrated) instead of "
+                          "the shipped profiles; runs of other models are skipped.")] = None,
     lengths: Annotated[str, typer.Option(help="Length law around the row's pool means: fixed|lognormal.")] = "lognormal",
     workers: Annotated[int, typer.Option(help="Parallel processes (0 = all cores).")] = 0,
     limit: Annotated[int | None, typer.Option(help="Only the first K rows (quick checks).")] = None,
@@ -30,33 +39,54 @@ def validate(
     engine: Annotated[str, typer.Option(help="Who predicts: twin (simulation) | surrogate | tree (learned).")] = "twin",
     models: Annotated[Path | None, typer.Option("--models", help="Model directory for --engine surrogate/tree "
                                                                  "(default: the shipped models).")] = None,
+    force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Replay real benchmark runs through the twin (or ask a learned oracle) and score it (SMAPE, starvation
     agreement and macro-F1, OOM agreement)."""
     from ..validate import run_validation
 
-    if out is not None and not out.parent.exists():  # fail before the (long) validation, not after it
-        raise SpecError(f"cannot write {out}: directory {out.parent} does not exist")
-    report = run_validation(runs, seeds=seeds, gpu=gpu, lengths=lengths, workers=workers, limit=limit,
-                            progress=not json_out, engine=engine, models_dir=models)
+    check_limit(limit)
+    check_workers(workers)
+    if out is not None:  # fail before the (long) validation, not after it
+        check_output_file(out, "--out")
+    prof = None
+    if profile is not None:
+        if gpu:
+            raise SpecError(f"--profile {profile} and --gpu {gpu}: give one or the other (the profile file "
+                            f"names its own GPU)")
+        from ..profile import load_profile_file
+
+        prof = load_profile_file(profile)
+    report = run_validation(runs, seeds=seeds, gpu=gpu or DEFAULT_GPU, lengths=lengths, workers=workers,
+                            limit=limit, progress=not json_out, limits=limits(force), profile=prof, engine=engine,
+                            models_dir=models)
     if out is not None:
         write_csv_atomic(out, report["rows"])
     if json_out:
-        print_json({"models": report["models"]})
+        print_json({"models": report["models"], "skipped": report["skipped"]})
         return
-    how = f"{seeds} seed(s), {lengths} lengths" if engine == "twin" else f"{engine} models"
-    t = Table(title=f"{engine} vs real runs: {runs.name} ({how})", title_justify="left")
-    for c in ("model", "ok", "oom", "skipped", "SMAPE thr %", "SMAPE ITL %", "SMAPE TTFT %",
-              "starved agree", "clear agree", "starved F1", "OOM agree"):
-        t.add_column(c, justify="right" if c != "model" else "left")
-    for m, s in report["models"].items():
-        t.add_row(m, str(s["n_ok"]), str(s["n_oom"]), str(s["n_skipped"]), fmt(s["smape_throughput"], 2),
-                  fmt(s["smape_itl"], 2), fmt(s["smape_ttft"], 2), fmt(s["starved_agreement"], 3),
-                  fmt(s["starved_agreement_clear"], 3), fmt(s["starved_f1"], 3), fmt(s["oom_agreement"], 3))
+    # one column per model, one row per score: fits 80 columns for the usual one to three models
+    how = f"{seeds} seed(s), {lengths} lengths" if engine == "twin" else f"{engine} models, no simulation"
+    t = Table(title=f"{engine} vs real runs: {runs.name}\n({how}"
+                    f"{f', --profile {profile.name}' if profile is not None else ''})", title_justify="left")
+    t.add_column("")
+    models = report["models"]
+    for m in models:
+        t.add_column(m, justify="right", no_wrap=True)
+    for label, key, digits in (("runs ok / oom / skipped", None, 0), ("SMAPE throughput %", "smape_throughput", 2),
+                               ("SMAPE ITL %", "smape_itl", 2), ("SMAPE TTFT %", "smape_ttft", 2),
+                               ("starved agreement", "starved_agreement", 3),
+                               ("  on clear labels", "starved_agreement_clear", 3),
+                               ("starved macro-F1", "starved_f1", 3),
+                               ("OOM agreement", "oom_agreement", 3),
+                               *((("outside training range", "n_out_of_range", 0),) if engine != "twin" else ())):
+        if key is None:
+            t.add_row(label, *(f"{s['n_ok']} / {s['n_oom']} / {s['n_skipped']}" for s in models.values()))
+        else:
+            t.add_row(label, *(fmt(s.get(key), digits) for s in models.values()))
     console.print(t)
     console.print("SMAPE without the factor 2 (0-100, twin.md §4.3); TTFT = completed-only mean.")
-    n_oor = sum(s.get("n_out_of_range", 0) for s in report["models"].values())
-    if n_oor:
-        console.print(f"{n_oor} run(s) outside the models' training range (answered, flagged in --out's "
-                      f"predicted_in_range).")
+    for m, s in report["models"].items():
+        for why, n in s.get("skip_reasons", {}).items():
+            console.print(f"skipped {n} run(s) of {m}: {why}", highlight=False)

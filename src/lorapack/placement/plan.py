@@ -33,6 +33,9 @@ class GpuMetrics:
     starved_adapters: list[str] = field(default_factory=list)
     fits: bool = True  # vLLM starts
     seeds: int = 0
+    per_seed: list[dict] = field(default_factory=list)  # verified: what each seed's twin run measured
+    passed: bool | None = None  # verified: meets the objective in every seed (None: not judged)
+    detail: str = ""  # why it failed, when it did
 
 
 @dataclass
@@ -73,10 +76,20 @@ class Plan:
     infeasible: bool = False  # the method declared the workload infeasible (then ``gpus`` may be empty)
     reason: str = ""
     settings: dict[str, Any] = field(default_factory=dict)  # objective, headroom, seeds, oracle, ...
+    lower_bound: dict[str, Any] = field(default_factory=dict)  # the bound's parts (placement.bound.LowerBound)
+    verification: dict[str, Any] = field(default_factory=dict)  # seeds, passed, repair log, gpus_added
+    diagnostics: dict[str, Any] = field(default_factory=dict)  # oracle calls, search probes, rebalance, ...
 
     @property
     def gpus_used(self) -> int:
         return sum(1 for g in self.gpus if g.adapters)
+
+    @property
+    def gap_gpus(self) -> int | None:
+        """GPUs above the lower bound (None without a bound or a plan)."""
+        if self.lower_bound_gpus is None or self.infeasible:
+            return None
+        return self.gpus_used - self.lower_bound_gpus
 
     def routes(self) -> dict[str, list[tuple[int, float]]]:
         """adapter id -> ``[(gpu index, weight), ...]`` with weights normalised to sum to 1."""
@@ -93,6 +106,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["gpus_used"] = self.gpus_used
+        d["gap_gpus"] = self.gap_gpus
         return _json_safe(d)
 
 
@@ -109,7 +123,8 @@ def _json_safe(x: Any) -> Any:
 def _metrics(d: dict | None) -> GpuMetrics | None:
     if d is None:
         return None
-    return GpuMetrics(**{k: (NAN if v is None and k != "starved_adapters" else v) for k, v in d.items()})
+    keep_none = {"starved_adapters", "per_seed", "passed", "detail"}
+    return GpuMetrics(**{k: (NAN if v is None and k not in keep_none else v) for k, v in d.items()})
 
 
 def plan_from_dict(d: dict[str, Any]) -> Plan:
@@ -123,7 +138,7 @@ def plan_from_dict(d: dict[str, Any]) -> Plan:
             g["incoming_tok_s"] = NAN
         gpus.append(GpuPlan(**g))
     keys = {k: d[k] for k in ("method", "model", "gpu_type", "lower_bound_gpus", "infeasible", "reason",
-                              "settings") if k in d}
+                              "settings", "lower_bound", "verification", "diagnostics") if k in d}
     for k in ("placement_ms", "verification_ms"):
         keys[k] = NAN if d.get(k) is None else d[k]
     return Plan(gpus=gpus, **keys)

@@ -35,7 +35,7 @@ BAND = (0.8, 1.0)  # throughput-ratio band reported separately
 
 def smape_pct(y: np.ndarray, yhat: np.ndarray) -> float:
     """Paper convention (no factor 2, 0-100)."""
-    from ..validate import smape
+    from ..realruns import smape
 
     return smape(y, yhat)
 

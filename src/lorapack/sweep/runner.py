@@ -9,13 +9,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import __version__
+from ..checks import check_output_dir, check_workers
 from ..errors import SpecError
 from ..fingerprint import twin_fingerprint
+from ..guards import Limits, check
 from ..profile import Profile, find_profile
 from .backends import BACKENDS, RaySession, default_workers, execute
 from .grid import GridSpec, SweepConfig, boundary_configs, select_configs
 from .store import (
     FORMAT_VERSION,
+    META_FILE,
     PartWriter,
     check_resumable,
     clean_temporaries,
@@ -31,19 +34,44 @@ FLUSH_ROWS = 2000
 FLUSH_S = 20.0
 
 
-def build_units(configs: list[SweepConfig], prune: bool) -> list[WorkUnit]:
+def check_resources(configs: list[SweepConfig], profile: Profile, limits: Limits | None = None) -> None:
+    """Cost of the most expensive config (``guards``), before the sweep creates anything.
+
+    A config's requests are the sum of its N adapters' rates (round-robin over its rate tuple) x duration_s."""
+    from ..guards import Estimate, min_step_ms, profile_step_coef
+
+    if not configs:
+        return
+    step_ms = min_step_ms(profile_step_coef(profile))
+    worst: dict[tuple, SweepConfig] = {}
+    for c in configs:  # one per (rate tuple, N, duration, lengths): the rest do not change the cost
+        worst.setdefault((c.rate_tuple, c.served_adapters, c.duration_s, c.mean_input_tokens,
+                          c.mean_output_tokens, c.lengths_kind), c)
+    for c in worst.values():
+        k = len(c.rate_tuple)
+        rate = sum(c.rate_tuple) * (c.served_adapters // k) + sum(c.rate_tuple[: c.served_adapters % k])
+        tokens = (max(1, round(c.mean_input_tokens)) + max(1, round(c.mean_output_tokens))
+                  if c.lengths_kind == "fixed" else c.mean_input_tokens + c.mean_output_tokens)
+        check(Estimate(requests=rate * c.duration_s, duration_s=c.duration_s, n_adapters=c.served_adapters,
+                       requests_from=f"grid config N={c.served_adapters} (rate tuple {list(c.rate_tuple)}, "
+                                     f"{rate:g} req/s in all) over duration_s {c.duration_s:g} s",
+                       tokens_per_request=tokens, min_step_ms=step_ms), limits)
+
+
+def build_units(configs: list[SweepConfig], prune: bool, limits: Limits | None = None) -> list[WorkUnit]:
     """One unit per config, or (``prune``) one per N-series with N increasing.
 
     Units are ordered by (seed, rate tuple), so that the configs sharing arrivals run close together and
     hit the workers' request cache (``work.config_requests``), then largest first; rows do not depend on it.
     """
     if not prune:
-        units = [WorkUnit([c]) for c in configs]
+        units = [WorkUnit([c], limits=limits) for c in configs]
     else:
         series: dict[tuple, list[SweepConfig]] = {}
         for c in configs:
             series.setdefault(c.series_key, []).append(c)
-        units = [WorkUnit(sorted(cs, key=lambda c: c.served_adapters), prune=True) for cs in series.values()]
+        units = [WorkUnit(sorted(cs, key=lambda c: c.served_adapters), prune=True, limits=limits)
+                 for cs in series.values()]
     first = {}
     for u in units:
         first.setdefault((u.configs[0].seed, u.configs[0].rate_tuple), len(first))
@@ -68,17 +96,20 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
               workers: int = 0, limit: int | None = None, resume: bool = False,
               shortcuts: Shortcuts = Shortcuts(), configs: list[SweepConfig] | None = None,
               progress: bool = False, flush_rows: int = FLUSH_ROWS, flush_s: float = FLUSH_S,
-              on_unit: Callable[[WorkUnit, list[dict]], None] | None = None) -> dict:
+              on_unit: Callable[[WorkUnit, list[dict]], None] | None = None, limits: Limits | None = None) -> dict:
     """Run (or continue) a sweep of ``grid`` into ``out``; returns the summary dict.
 
     ``configs`` replaces the grid's selection (benches use it to run a sample); ``limit`` takes the first K
     configs of the grid's fixed seeded shuffle. Rows are appended as atomic Parquet parts after every
     ``flush_rows`` rows or ``flush_s`` seconds (whole units only), and once more at the end or on an error.
+
+    Before anything is created: ``out`` must be (or be creatable as) a writable directory, and every config
+    must fit ``limits`` (``guards``). A sweep that fails before writing its first part removes what it
+    created (``_sweep.json``, the directory), so the next run starts afresh instead of asking for --resume.
     """
     if backend not in BACKENDS:
         raise SpecError(f"--backend {backend}: expected one of {', '.join(BACKENDS)}")
-    if workers < 0:
-        raise SpecError(f"--workers {workers}: expected an integer >= 0 (0 = all cores)")
+    check_workers(workers)
     if backend == "local" and address is not None:
         raise SpecError("--address is only used with --backend ray")
     t0 = time.perf_counter()
@@ -88,12 +119,26 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
     old = check_resumable(out, meta, resume)
     if configs is None:
         configs = select_configs(grid, limit)
+    check_output_dir(out, "--out")
+    check_resources(configs, profile, limits)
+    finished = False
     with contextlib.ExitStack() as stack:
         session = None
         if backend == "ray":  # connect before anything is written: a bad --address leaves no directory behind
             session = RaySession(workers if workers > 0 else default_workers(), address).start()
             stack.callback(session.stop)
-        out.mkdir(parents=True, exist_ok=True)
+        created = not out.exists()
+        out.mkdir(exist_ok=True)
+
+        def tidy() -> None:  # runs last (after the lock is gone): no half-initialised store after a failure
+            if finished or old is not None or part_files(out):
+                return
+            (out / META_FILE).unlink(missing_ok=True)
+            if created:
+                with contextlib.suppress(OSError):
+                    out.rmdir()
+
+        stack.callback(tidy)
         stack.enter_context(lock_dir(out))
         if old is None:
             write_meta(out, meta)
@@ -104,7 +149,7 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
 
         oom = [c for c in todo if not profile.startup(c.adapter_slots, c.max_lora_rank)[0]]
         oom_ids = {c.config_id for c in oom}
-        units = build_units([c for c in todo if c.config_id not in oom_ids], shortcuts.prune)
+        units = build_units([c for c in todo if c.config_id not in oom_ids], shortcuts.prune, limits)
 
         writer = PartWriter(out)
         counts = {"rows": 0, "simulated": 0, "skipped_oom": 0, "pruned": 0, "early_stopped": 0, "boundary": 0}
@@ -176,13 +221,14 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
                 counts["boundary"] = len(extra)
                 if bar is not None and extra:
                     bar.update(task, total=bar.tasks[0].total + len(extra))
-                run_units([WorkUnit([c]) for c in extra])
+                run_units([WorkUnit([c], limits=limits) for c in extra])
         finally:
             if buffer:
                 flush()  # completed units only: everything in the buffer is whole
             if bar is not None:
                 bar.stop()
         wall = time.perf_counter() - t0
+        finished = True
         return {
             "rows": counts["rows"], "simulated": counts["simulated"], "skipped_oom": counts["skipped_oom"],
             "grid_size": grid.size, "configs_per_s": counts["rows"] / wall if wall > 0 else 0.0, "out": str(out),

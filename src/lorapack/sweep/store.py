@@ -10,9 +10,11 @@ and the metadata file with an underscore, which dataset discovery skips.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -227,20 +229,36 @@ def _short(v) -> str:
     return t if len(t) <= 60 else t[:57] + "..."
 
 
-def lock_dir(out: Path):
-    """Hold an exclusive advisory lock on ``out`` (released when the file closes or the process dies).
+@contextlib.contextmanager
+def lock_dir(out: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``out`` for the block (released if the process dies, too).
 
-    Returns the open lock file (keep it open while writing); two sweeps into one directory would duplicate rows.
+    Two sweeps into one directory would duplicate rows. The lock file is removed when the block ends (while
+    still held), so a finished or failed sweep leaves no ``.lock`` behind; a sweep that locked a file another
+    one removed meanwhile sees that its file is no longer ``out/.lock`` and treats it as held.
     """
-    f = open(Path(out) / LOCK_FILE, "a+")  # closed by the caller (or at exit)
+    path = Path(out) / LOCK_FILE
+    busy = SpecError(f"--out {out}: another sweep is writing to this directory; wait for it or stop it first")
+    f = open(path, "a+")
     try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        return f
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock
+            fcntl = None
+        if fcntl is not None:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise busy from None
+            try:
+                same = os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+            except OSError:
+                same = False
+            if not same:  # the previous holder removed it between our open and our lock
+                raise busy
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+    finally:
         f.close()
-        raise SpecError(f"--out {out}: another sweep is writing to this directory; wait for it or stop it "
-                        f"first") from None
-    return f

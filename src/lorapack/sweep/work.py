@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from ..fingerprint import twin_fingerprint
+from ..guards import Limits
 from ..profile import Profile
 from .grid import SweepConfig
 
@@ -98,6 +99,7 @@ class WorkUnit:
     configs: list[SweepConfig]
     prune: bool = False
     key: str = field(default="")
+    limits: Limits | None = None  # resource limits of each run (guards.DEFAULT_LIMITS when None)
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -179,11 +181,11 @@ _request_cache: OrderedDict[tuple, object] = OrderedDict()
 
 
 def _arrivals_key(cfg: SweepConfig) -> tuple:
-    return (cfg.seed, cfg.served_adapters, cfg.rate_tuple, cfg.rate_law, cfg.pad_fraction, cfg.lengths_kind,
-            cfg.mean_input_tokens, cfg.mean_output_tokens, cfg.lengths_cv, cfg.duration_s)
+    return (cfg.seed, cfg.served_adapters, cfg.rate_tuple, cfg.rate_law, cfg.pad_fraction, cfg.explicit_rates,
+            cfg.lengths_kind, cfg.mean_input_tokens, cfg.mean_output_tokens, cfg.lengths_cv, cfg.duration_s)
 
 
-def config_requests(cfg: SweepConfig):
+def config_requests(cfg: SweepConfig, limits: Limits | None = None):
     """The config's arrivals (``RequestArrays``), generated once per process and arrivals key.
 
     The engine only reads these arrays; they are shared between the configs of one key.
@@ -200,7 +202,7 @@ def config_requests(cfg: SweepConfig):
     # ranks play no part in generation; rank 8 keeps the workload valid
     wl = Workload(adapters=[Adapter(adapter_id=f"a{i}", rank=8, rate_rps=float(q)) for i, q in enumerate(rates)],
                   lengths=cfg.lengths(), arrivals=PoissonArrivals(), duration_s=cfg.duration_s)
-    req = generate_requests(wl, cfg.duration_s, cfg.seed)
+    req = generate_requests(wl, cfg.duration_s, cfg.seed, limits)
     if len(req) <= REQUEST_CACHE_BUDGET:
         _request_cache[key] = req
         held = sum(len(r) for r in _request_cache.values())
@@ -214,41 +216,40 @@ def clear_request_cache() -> None:
     _request_cache.clear()
 
 
-def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts) -> dict:
+def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts, limits: Limits | None = None
+                    ) -> dict:
     """Run the twin on one config (which must start) and return its row."""
     from ..twin.run import ServerFlags, simulate_requests
 
     t0 = time.perf_counter()
     ranks = cfg.ranks()
-    req = config_requests(cfg)
+    req = config_requests(cfg, limits)
     flags = ServerFlags(max_loras=cfg.adapter_slots, max_lora_rank=cfg.max_lora_rank,
                         max_cpu_loras=cfg.served_adapters)
     opts = _early_stop_options(shortcuts)
-    if opts is None:
-        m, _ = simulate_requests(profile, ranks, req, flags, cfg.duration_s)
-    else:
-        m, _ = simulate_requests(profile, ranks, req, flags, cfg.duration_s, early_stop=opts)
+    m, _ = simulate_requests(profile, ranks, req, flags, cfg.duration_s, early_stop=opts, limits=limits)
     row = features(cfg, profile)
-    if m["oom"]:  # the caller checks the start-up rule first; kept for safety
+    if m.oom:  # the caller checks the start-up rule first; kept for safety
         row.update(_empty_metrics())
-        row.update({"oom": True, "starved": None, "throughput_tok_s": 0.0, "error_type": m["error_type"],
-                    "kv_cache_tokens": m["kv_cache_tokens"], "obtained": OBTAINED_OOM, "stop_reason": None,
+        row.update({"oom": True, "starved": None, "throughput_tok_s": 0.0, "error_type": m.error_type,
+                    "kv_cache_tokens": m.kv_cache_tokens, "obtained": OBTAINED_OOM, "stop_reason": None,
                     "simulated_s": 0.0})
         return _provenance(row, profile, time.perf_counter() - t0)
+    columns = m.to_dict()  # the Parquet columns are the metrics' JSON keys
     for k in METRIC_KEYS_FLOAT:
-        row[k] = _num(m.get(k), float)
+        row[k] = _num(columns[k], float)
     for k in METRIC_KEYS_INT:
-        row[k] = _num(m.get(k), int)
-    reason = m.get("stop_reason") or "full"
-    exact = bool(m.get("adapter_labels_exact", True))
+        row[k] = _num(columns[k], int)
+    reason = m.stop_reason or "full"
+    exact = bool(m.adapter_labels_exact)
     if not exact:
         row["adapters_starved"] = None  # which adapters starve by the window end is unknown
     row.update({
         "adapter_labels_exact": exact,
-        "oom": False, "error_type": None, "kv_cache_tokens": int(m["kv_cache_tokens"]),
-        "starved": bool(m["starved"]), "adapter_starved": bool(m.get("adapter_starved", False)),
+        "oom": False, "error_type": None, "kv_cache_tokens": int(m.kv_cache_tokens),
+        "starved": bool(m.starved), "adapter_starved": bool(m.adapter_starved),
         "obtained": OBTAINED_FULL if reason == "full" else f"early_{reason}", "stop_reason": reason,
-        "simulated_s": float(m.get("simulated_s", cfg.duration_s)),
+        "simulated_s": float(m.simulated_s),
     })
     return _provenance(row, profile, time.perf_counter() - t0)
 
@@ -268,7 +269,7 @@ def run_unit(unit: WorkUnit, profile: Profile, shortcuts: Shortcuts) -> list[dic
         if unit.prune and streak >= PRUNE_AFTER_STARVING:
             rows.append(pruned_row(cfg, profile))
             continue
-        row = simulate_config(cfg, profile, shortcuts)
+        row = simulate_config(cfg, profile, shortcuts, unit.limits)
         streak = streak + 1 if row["starved"] else 0
         rows.append(row)
     return rows

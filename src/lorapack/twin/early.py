@@ -39,8 +39,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..guards import Limits
 from .engine import Engine
-from .metrics import ADAPTER_MAX_WAIT_S, ADAPTER_MIN_REQUESTS, STARVATION_RATIO, compute_metrics
+from .metrics import (
+    ADAPTER_GRACE_S,
+    ADAPTER_MAX_WAIT_S,
+    ADAPTER_MIN_REQUESTS,
+    STARVATION_RATIO,
+    RunMetrics,
+    compute_metrics,
+)
 from .steptime import C1, P1
 from .types import EngineConfig, EngineResult, RequestArrays
 
@@ -173,7 +181,8 @@ def adapter_labels_settled(res: EngineResult, req: RequestArrays, t_s: float, T:
     slowest first-token time plus ``sojourn_margin`` times its own output length at the slowest per-token
     pace seen so far. The label (twin.md §4.2: completed-token ratio < 0.9 with >= 20 requests, or a
     request open for more than 300 s) must be "not starved" for every adapter in that worst case; in the
-    best case (everything done at once) it is "not starved" anyway."""
+    best case (everything done at once) it is "not starved" anyway. As in ``compute_metrics``, the ratio
+    counts the requests sent ``ADAPTER_GRACE_S`` before the end."""
     done = np.isfinite(res.t_finish_s) & (res.t_finish_s <= t_s)
     if not done.any():
         return False
@@ -189,27 +198,31 @@ def adapter_labels_settled(res: EngineResult, req: RequestArrays, t_s: float, T:
         return False
     tok = req.prompt_tokens.astype(np.int64) + o
     ad = req.adapter
-    sent_tok = np.bincount(ad[sent], weights=tok[sent], minlength=n_adapters)
-    sent_n = np.bincount(ad[sent], minlength=n_adapters)
-    ok_tok = sent & ~open_at_T
+    ripe = sent & (req.t_arr_s < (T - ADAPTER_GRACE_S if T > 2 * ADAPTER_GRACE_S else T))
+    sent_tok = np.bincount(ad[ripe], weights=tok[ripe], minlength=n_adapters)
+    sent_n = np.bincount(ad[ripe], minlength=n_adapters)
+    ok_tok = ripe & ~open_at_T
     worst = np.bincount(ad[ok_tok], weights=tok[ok_tok], minlength=n_adapters)
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = np.where(sent_tok > 0, worst / sent_tok, 1.0)
     return not ((ratio < STARVATION_RATIO) & (sent_n >= ADAPTER_MIN_REQUESTS)).any()
 
 
-def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOptions
-                        ) -> tuple[EngineResult, dict, Engine]:
+def _full_run_metrics(res: EngineResult, req: RequestArrays, cfg: EngineConfig) -> RunMetrics:
+    T = float(cfg.duration_s)
+    return compute_metrics(res, req, T, cfg.n_adapters).replace(stop_reason=STOP_FULL, simulated_s=T)
+
+
+def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOptions,
+                        limits: Limits | None = None) -> tuple[EngineResult, RunMetrics, Engine]:
     """Simulate with early termination; returns the (possibly partial) result, the metrics with
     extrapolated run-level values, and the engine (for its final snapshot)."""
-    eng = Engine(cfg, req)
+    eng = Engine(cfg, req, limits=limits)
     T = float(cfg.duration_s)
     if cfg.client_cap > 0 or not (opts.certain or opts.likely or opts.healthy):
         eng.advance_to(T)
         res = eng.result()
-        out = compute_metrics(res, req, T, cfg.n_adapters)
-        out.update(stop_reason=STOP_FULL, simulated_s=T, adapter_labels_exact=True)
-        return res, out, eng
+        return res, _full_run_metrics(res, req, cfg), eng
 
     tok = req.prompt_tokens.astype(np.int64) + req.output_tokens
     in_window = req.t_arr_s < T
@@ -259,9 +272,7 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
     res = eng.result()
     t_stop = min(eng.t_s, T)
     if reason == STOP_FULL:
-        out = compute_metrics(res, req, T, cfg.n_adapters)
-        out.update(stop_reason=STOP_FULL, simulated_s=T, adapter_labels_exact=True)
-        return res, out, eng
+        return res, _full_run_metrics(res, req, cfg), eng
 
     snap = eng.snapshot()
     out = compute_metrics(res, req, t_stop, cfg.n_adapters)  # latency metrics from what was simulated
@@ -271,19 +282,20 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
     n_done = int(min(round(snap["n_completed"] + (done_tok - snap["completed_tokens"]) / per_req), n_sent_total))
     throughput = done_tok / T
     incoming = total_tok / T
-    ttft = out["ttft_mean_ms"]
+    ttft = out.ttft_mean_ms
     pen = ((ttft if np.isfinite(ttft) else 0.0) * n_done + (n_sent_total - n_done) * T * 1000.0) / n_sent_total \
         if n_sent_total else float("nan")
     frac_in = float(req.prompt_tokens[in_window].sum()) / total_tok if total_tok else 0.5
     starved = bool(throughput < STARVATION_RATIO * incoming)
-    out.update(
+    out = out.replace(
         throughput_tok_s=throughput, input_tok_s=throughput * frac_in, output_tok_s=throughput * (1 - frac_in),
         incoming_tok_s=incoming, throughput_ratio=throughput / incoming if incoming else float("nan"),
         starved=starved, ttft_penalised_mean_ms=pen,
         n_arrived=n_sent_total, n_completed=n_done, stop_reason=reason, simulated_s=t_stop,
     )
     if reason == STOP_HEALTHY:  # settled: no adapter starves by T (adapter_labels_settled)
-        out.update(adapters_starved=0, adapter_starved=False, starved_adapter_indices=[], adapter_labels_exact=True)
+        out = out.replace(n_adapters_starved=0, adapter_starved=False, starved_adapter_indices=(),
+                          adapter_labels_exact=True)
     else:  # >= 10 % of the tokens missing: some adapter starves; which ones is not known before T
-        out.update(adapter_starved=True, adapter_labels_exact=False)
+        out = out.replace(adapter_starved=True, adapter_labels_exact=False)
     return res, out, eng

@@ -25,6 +25,7 @@ import time
 import numpy as np
 from numba import njit
 
+from ..guards import Limits, check_engine
 from . import steptime as _steptime_mod
 from .types import TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays
 
@@ -532,7 +533,10 @@ class Engine:
     changes the outcome: a pause happens between two steps, exactly where the uninterrupted loop would be.
     """
 
-    def __init__(self, cfg: EngineConfig, req: RequestArrays, compiled: bool = True) -> None:
+    def __init__(self, cfg: EngineConfig, req: RequestArrays, compiled: bool = True,
+                 limits: Limits | None = None) -> None:
+        # compiled code indexes without bounds checks: a bad index is a crash, not an exception
+        check_engine(cfg, req, limits)
         self.cfg, self.req = cfg, req
         self._new = _new_state if compiled else _new_state.py_func
         self._adv = _advance if compiled else _advance.py_func
@@ -593,9 +597,12 @@ class Engine:
         )
 
 
-def simulate_fast(cfg: EngineConfig, req: RequestArrays, compiled: bool = True) -> EngineResult:
-    """Simulate one server over ``[0, cfg.duration_s)``; ``compiled=False`` runs the same code uncompiled."""
-    return Engine(cfg, req, compiled).advance_to(float("inf")).result()
+def simulate_fast(cfg: EngineConfig, req: RequestArrays, compiled: bool = True,
+                  limits: Limits | None = None) -> EngineResult:
+    """Simulate one server over ``[0, cfg.duration_s)``; ``compiled=False`` runs the same code uncompiled.
+
+    Inputs are checked first (``guards.check_engine``): ``SpecError`` / ``ResourceLimitError``."""
+    return Engine(cfg, req, compiled, limits).advance_to(float("inf")).result()
 
 
 def warm_up() -> float:

@@ -6,18 +6,133 @@
 * throughput = Σ_completed (P + O) / duration (input + output tokens per second);
 * incoming (ideal) = Σ_sent (P + O) / duration; ``starved`` = throughput < 0.9 × incoming;
 * ITL = Σ_completed (t_last − t_first) / Σ_completed (O − 1): the token-weighted mean of all gaps;
+* ``itl_p99_ms``: p99 over completed requests of each one's mean inter-token gap (TPOT; no per-token times);
+* per adapter: completed-token ratio over the requests sent ``adapter_grace_s`` before the end, and the age of
+  its oldest unfinished request (``adapter_starved``: ratio < 0.9 with >= 20 such requests, or age > 300 s);
 * TTFT over completed requests; penalised TTFT counts each unfinished request as the whole window.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .types import EngineResult, RequestArrays
 
 STARVATION_RATIO = 0.9
-ADAPTER_MIN_REQUESTS = 20  # per-adapter ratio test only for adapters with at least this many requests
-ADAPTER_MAX_WAIT_S = 300.0  # a request open longer than this starves its adapter
+# per-adapter label (twin.md §4.2 extension): the ratio test counts adapters with at least this many requests
+# sent ADAPTER_GRACE_S before the end; a request open longer than ADAPTER_MAX_WAIT_S starves its adapter
+ADAPTER_MIN_REQUESTS = 20
+ADAPTER_MAX_WAIT_S = 300.0
+ADAPTER_GRACE_S = 120.0
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The vLLM flags a run used, after defaults were applied (``twin.run.resolve_server``)."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """Everything one twin run reports (twin.md §4). ``to_dict()`` gives the ``simulate --json`` keys.
+
+    Metrics of a run whose server does not start (``oom``) are NaN, counts 0 and labels ``None``. Fields
+    that only the high-level API knows (``server``, ``wall_s``, ``duration_s``, ``seed``, ``model``,
+    ``gpu``) are ``None`` where it did not set them.
+    """
+
+    # the server's start-up (vLLM's memory rule)
+    oom: bool = False  # vLLM would not start with these flags
+    error_type: str | None = None
+    kv_cache_tokens: int = 0
+    # rates and ratios of the window
+    throughput_tok_s: float = NAN  # completed input + output tokens per second
+    input_tok_s: float = NAN
+    output_tok_s: float = NAN
+    incoming_tok_s: float = NAN  # tokens of the sent requests per second
+    throughput_ratio: float = NAN
+    starved: bool | None = None  # throughput < 0.9 x incoming
+    # latencies of the completed requests
+    itl_mean_ms: float = NAN  # token-weighted mean gap
+    tpot_mean_ms: float = NAN  # mean of per-request mean gaps
+    itl_p99_ms: float = NAN  # p99 over requests of their mean gap (no per-token times are kept)
+    ttft_mean_ms: float = NAN
+    ttft_median_ms: float = NAN
+    ttft_p99_ms: float = NAN
+    ttft_penalised_mean_ms: float = NAN  # unfinished requests count the whole window
+    # counts
+    n_arrived: int = 0  # sent in the window
+    n_completed: int = 0
+    n_generated: int = 0  # arrivals generated (sent or not)
+    n_preemptions: int = 0
+    n_adapter_loads: int = 0  # CPU -> GPU activations
+    n_adapter_disk_loads: int = 0
+    n_steps: int = 0
+    # engine time accounting
+    busy_frac: float = NAN  # share of the window spent in steps
+    sched_s: float = NAN
+    load_s: float = NAN
+    # timeline statistics (2 s samples)
+    running_reqs_mean: float = NAN
+    running_reqs_max: float = NAN
+    waiting_reqs_mean: float = NAN
+    waiting_reqs_max: float = NAN
+    kv_usage_mean_frac: float = NAN
+    # per-adapter starvation (twin.md §4.2 extension)
+    n_adapters_starved: int = 0
+    adapter_starved: bool | None = None
+    starved_adapter_indices: tuple[int, ...] = ()  # registration order
+    adapter_min_token_ratio: float = NAN
+    adapter_max_wait_s: float = NAN
+    adapter_labels_exact: bool = True  # False: an early stop knew the run starved, not which adapters (twin.early)
+    # how the run ended, with which flags
+    stop_reason: str | None = None  # "full" or an early-stop reason (twin.early)
+    simulated_s: float = NAN  # simulated window (< duration_s after an early stop)
+    server: ServerSettings | None = None
+    # set by ``twin.run.simulate``
+    wall_s: float | None = None
+    duration_s: float | None = None
+    seed: int | None = None
+    model: str | None = None
+    gpu: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The metrics under their JSON / Parquet keys (a contract: keys are added, never renamed)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "server":
+                v = None if v is None else v.to_dict()
+            elif f.name == "starved_adapter_indices":
+                v = list(v)
+            out[_KEYS.get(f.name, f.name)] = v
+        return out
+
+    def replace(self, **changes: Any) -> RunMetrics:
+        return dataclasses.replace(self, **changes)
+
+
+# fields whose JSON / Parquet key predates the typed result (the keys are a contract)
+_KEYS = {
+    "n_preemptions": "preemptions", "n_adapter_loads": "adapter_loads",
+    "n_adapter_disk_loads": "adapter_disk_loads", "n_steps": "steps", "running_reqs_mean": "running_mean",
+    "running_reqs_max": "running_max", "waiting_reqs_mean": "waiting_mean", "waiting_reqs_max": "waiting_max",
+    "kv_usage_mean_frac": "kv_usage_mean", "n_adapters_starved": "adapters_starved",
+}
 
 
 def _stat(x: np.ndarray, fn) -> float:
@@ -25,8 +140,8 @@ def _stat(x: np.ndarray, fn) -> float:
 
 
 def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_adapters: int,
-                    adapter_min_requests: int = ADAPTER_MIN_REQUESTS,
-                    adapter_max_wait_s: float = ADAPTER_MAX_WAIT_S) -> dict:
+                    adapter_min_requests: int = ADAPTER_MIN_REQUESTS, adapter_max_wait_s: float = ADAPTER_MAX_WAIT_S,
+                    adapter_grace_s: float = ADAPTER_GRACE_S) -> RunMetrics:
     """Run-level metrics plus per-adapter starvation (twin.md §4.2 extension)."""
     p = req.prompt_tokens.astype(np.int64)
     o = req.output_tokens.astype(np.int64)
@@ -56,12 +171,16 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     else:
         ttft_pen = float("nan")
 
-    # per adapter: completed-token ratio and age of the oldest unfinished request at the end
+    # per adapter: completed-token ratio and age of the oldest unfinished request at the end. The ratio counts
+    # requests sent at least ``adapter_grace_s`` before the end: one long request still in flight at the cut
+    # would otherwise flag a healthy adapter with few requests.
     ad = req.adapter
     tok = p + o
-    sent_tok = np.bincount(ad[sent], weights=tok[sent], minlength=n_adapters)
-    done_tok = np.bincount(ad[done], weights=tok[done], minlength=n_adapters)
-    sent_n = np.bincount(ad[sent], minlength=n_adapters)
+    cut = duration_s - adapter_grace_s if duration_s > 2 * adapter_grace_s else duration_s
+    ripe = sent & (req.t_arr_s < cut)
+    sent_tok = np.bincount(ad[ripe], weights=tok[ripe], minlength=n_adapters)
+    done_tok = np.bincount(ad[ripe & done], weights=tok[ripe & done], minlength=n_adapters)
+    sent_n = np.bincount(ad[ripe], minlength=n_adapters)
     open_ = sent & ~done
     oldest = np.zeros(n_adapters)
     if open_.any():
@@ -74,38 +193,40 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     bad = ((ratio < STARVATION_RATIO) & (sent_n >= adapter_min_requests)) | (oldest > adapter_max_wait_s)
 
     tl = res.timeline
-    return {
-        "throughput_tok_s": throughput,
-        "input_tok_s": input_tok_s,
-        "output_tok_s": output_tok_s,
-        "incoming_tok_s": incoming,
-        "throughput_ratio": throughput / incoming if incoming > 0 else float("nan"),
-        "starved": bool(throughput < STARVATION_RATIO * incoming),
-        "itl_mean_ms": itl,
-        "tpot_mean_ms": tpot,
-        "ttft_mean_ms": ttft_mean,
-        "ttft_median_ms": _stat(ttft_ms, np.median),
-        "ttft_p99_ms": _stat(ttft_ms, lambda x: np.percentile(x, 99)),
-        "ttft_penalised_mean_ms": ttft_pen,
-        "n_arrived": n_sent,
-        "n_completed": n_done,
-        "n_generated": len(req),
-        "preemptions": res.n_preemptions,
-        "adapter_loads": res.n_gpu_loads,
-        "adapter_disk_loads": res.n_disk_loads,
-        "steps": res.n_steps,
-        "busy_frac": res.busy_s / duration_s,
-        "sched_s": res.sched_s,
-        "load_s": res.load_s,
-        "running_mean": _stat(tl.get("num_requests_running", np.zeros(0)), np.mean),
-        "running_max": _stat(tl.get("num_requests_running", np.zeros(0)), np.max),
-        "waiting_mean": _stat(tl.get("num_requests_waiting", np.zeros(0)), np.mean),
-        "waiting_max": _stat(tl.get("num_requests_waiting", np.zeros(0)), np.max),
-        "kv_usage_mean": _stat(tl.get("kv_cache_usage_perc", np.zeros(0)), np.mean),
-        "adapters_starved": int(bad.sum()),
-        "adapter_starved": bool(bad.any()),
-        "starved_adapter_indices": [int(i) for i in np.flatnonzero(bad)],  # registration order
-        "adapter_min_token_ratio": float(ratio[sent_n >= adapter_min_requests].min())
-        if (sent_n >= adapter_min_requests).any() else float("nan"),
-        "adapter_max_wait_s": float(oldest.max()) if n_adapters else 0.0,
-    }
+    no_samples = np.zeros(0)
+    qualifies = sent_n >= adapter_min_requests
+    return RunMetrics(
+        throughput_tok_s=throughput,
+        input_tok_s=input_tok_s,
+        output_tok_s=output_tok_s,
+        incoming_tok_s=incoming,
+        throughput_ratio=throughput / incoming if incoming > 0 else NAN,
+        starved=bool(throughput < STARVATION_RATIO * incoming),
+        itl_mean_ms=itl,
+        tpot_mean_ms=tpot,
+        itl_p99_ms=_stat(span_s[multi] / gaps[multi] * 1000.0, lambda x: np.percentile(x, 99)),
+        ttft_mean_ms=ttft_mean,
+        ttft_median_ms=_stat(ttft_ms, np.median),
+        ttft_p99_ms=_stat(ttft_ms, lambda x: np.percentile(x, 99)),
+        ttft_penalised_mean_ms=ttft_pen,
+        n_arrived=n_sent,
+        n_completed=n_done,
+        n_generated=len(req),
+        n_preemptions=res.n_preemptions,
+        n_adapter_loads=res.n_gpu_loads,
+        n_adapter_disk_loads=res.n_disk_loads,
+        n_steps=res.n_steps,
+        busy_frac=res.busy_s / duration_s,
+        sched_s=res.sched_s,
+        load_s=res.load_s,
+        running_reqs_mean=_stat(tl.get("num_requests_running", no_samples), np.mean),
+        running_reqs_max=_stat(tl.get("num_requests_running", no_samples), np.max),
+        waiting_reqs_mean=_stat(tl.get("num_requests_waiting", no_samples), np.mean),
+        waiting_reqs_max=_stat(tl.get("num_requests_waiting", no_samples), np.max),
+        kv_usage_mean_frac=_stat(tl.get("kv_cache_usage_perc", no_samples), np.mean),
+        n_adapters_starved=int(bad.sum()),
+        adapter_starved=bool(bad.any()),
+        starved_adapter_indices=tuple(int(i) for i in np.flatnonzero(bad)),
+        adapter_min_token_ratio=float(ratio[qualifies].min()) if qualifies.any() else NAN,
+        adapter_max_wait_s=float(oldest.max()) if n_adapters else 0.0,
+    )

@@ -96,20 +96,9 @@ def simulate_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: 
 
 
 def _validate(cfg: EngineConfig, req: RequestArrays) -> None:
-    n_adapters = cfg.n_adapters
-    if n_adapters < 1:
-        raise ValueError("need at least one adapter")
-    if cfg.kv_blocks < 0 or cfg.block_size < 1 or cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
-        raise ValueError("kv_blocks >= 0, block_size, max_num_seqs, max_num_batched_tokens >= 1 required")
-    if not cfg.timeline_dt_s > 0.0:
-        raise ValueError("timeline_dt_s must be > 0")
-    if len(req) > 0:
-        if np.any(np.diff(req.t_arr_s) < 0.0) or np.any(~np.isfinite(req.t_arr_s)):
-            raise ValueError("t_arr_s must be finite and sorted")
-        if req.adapter.min() < 0 or req.adapter.max() >= n_adapters:
-            raise ValueError("adapter index out of range")
-        if req.prompt_tokens.min() < 1 or req.output_tokens.min() < 1:
-            raise ValueError("prompt_tokens and output_tokens must be >= 1")
+    """The same checks as the fast engine (``SpecError``, a ``ValueError``); no resource limits here."""
+    cfg.check()
+    req.check(cfg.n_adapters)
 
 
 def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool = False,

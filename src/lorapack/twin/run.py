@@ -1,4 +1,4 @@
-"""High-level twin API: profile + server flags + workload + seed -> metrics.
+"""High-level twin API: profile + server flags + workload + seed -> ``RunMetrics``.
 
 ``simulate`` is a pure function of its inputs (the seed included), so runs can be spread over processes.
 """
@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import SpecError
+from ..guards import Limits, check, estimate_workload
 from ..profile import Profile
 from .early import EarlyStopOptions, run_with_early_stop
 from .engine import simulate_fast
-from .metrics import compute_metrics
+from .metrics import RunMetrics, ServerSettings, compute_metrics
 from .steptime import StepModel
-from .types import EngineConfig, EngineResult, RequestArrays
+from .types import INT32_MAX, INT64_SAFE, EngineConfig, EngineResult, RequestArrays
 
 DEFAULT_DURATION_S = 3600.0
 # twin.md §2.6: the real benchmark client plateaued at ~25.5k waiting requests
@@ -36,6 +37,35 @@ class ServerFlags:
     max_model_len: int | None = None
     client_cap: int = 0  # client-saturation cap (twin.md §2.6), 0 = off
     warm_start: bool = True
+
+    def __post_init__(self) -> None:
+        # types only (values are checked against the profile and the adapters by ``resolve_server``)
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_batched_tokens", "max_num_seqs",
+                     "max_model_len", "client_cap"):
+            v = getattr(self, name)
+            if v is None and name not in ("max_loras", "client_cap"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or abs(v) > INT64_SAFE:
+                raise SpecError(f"--{name.replace('_', '-')} {v!r}: expected an integer")
+
+
+def check_seconds(value, name: str = "--duration-s") -> float:
+    """A finite, positive number of seconds as a float, else a one-line ``SpecError``."""
+    numeric = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+    if not numeric or not math.isfinite(value) or value <= 0:
+        raise SpecError(f"{name} {value!r}: expected a positive number of seconds")
+    return float(value)
+
+
+def check_ranks(ranks) -> np.ndarray:
+    """Adapter ranks as a 1-D int32 array of integers >= 1 (one per adapter, registration order)."""
+    a = np.asarray(ranks)
+    if a.ndim != 1 or a.dtype == np.bool_ or a.dtype.kind not in "iu":
+        raise SpecError(f"ranks: expected a 1-D array of integers (one per adapter), got {a.dtype} of shape "
+                        f"{a.shape}")
+    if len(a) and (int(a.min()) < 1 or int(a.max()) > INT32_MAX):
+        raise SpecError(f"ranks: expected integers >= 1, got {int(a.min())} .. {int(a.max())}")
+    return a.astype(np.int32)
 
 
 @dataclass
@@ -118,62 +148,66 @@ def engine_config(profile: Profile, ranks: np.ndarray, srv: ResolvedServer, dura
         warm_gpu=warm_start, warm_cpu=True, client_cap=client_cap)
 
 
-def oom_metrics(srv: ResolvedServer, n_generated: int) -> dict:
-    nan = float("nan")
-    return {
-        "oom": True, "error_type": srv.error_type, "kv_cache_tokens": srv.kv_cache_tokens,
-        "throughput_tok_s": 0.0, "input_tok_s": 0.0, "output_tok_s": 0.0, "incoming_tok_s": nan,
-        "throughput_ratio": nan, "starved": None, "itl_mean_ms": nan, "tpot_mean_ms": nan,
-        "ttft_mean_ms": nan, "ttft_median_ms": nan, "ttft_p99_ms": nan, "ttft_penalised_mean_ms": nan,
-        "n_arrived": n_generated, "n_completed": 0, "n_generated": n_generated,
-    }
+def oom_metrics(srv: ResolvedServer, n_generated: int) -> RunMetrics:
+    """The result of a run whose server does not start: nothing served, every arrival counted as sent."""
+    return RunMetrics(oom=True, error_type=srv.error_type, kv_cache_tokens=srv.kv_cache_tokens,
+                      throughput_tok_s=0.0, input_tok_s=0.0, output_tok_s=0.0, n_arrived=n_generated,
+                      n_completed=0, n_generated=n_generated)
+
+
+def server_settings(srv: ResolvedServer) -> ServerSettings:
+    return ServerSettings(max_loras=srv.max_loras, max_lora_rank=srv.max_lora_rank,
+                          max_cpu_loras=srv.max_cpu_loras, max_num_batched_tokens=srv.max_num_batched_tokens,
+                          max_num_seqs=srv.max_num_seqs, max_model_len=srv.max_model_len)
 
 
 def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, flags: ServerFlags,
-                      duration_s: float = DEFAULT_DURATION_S, early_stop: EarlyStopOptions | None = None
-                      ) -> tuple[dict, EngineResult | None]:
+                      duration_s: float = DEFAULT_DURATION_S, early_stop: EarlyStopOptions | None = None,
+                      limits: Limits | None = None) -> tuple[RunMetrics, EngineResult | None]:
     """Run the twin on given arrivals. Returns ``(metrics, engine_result)``; the result is None on OOM.
 
     With ``early_stop`` the run may end before ``duration_s`` (``stop_reason``, ``simulated_s`` say so) and
-    the run-level metrics are extrapolated (``twin.early``); the engine result is then partial."""
-    if not math.isfinite(duration_s) or duration_s <= 0:
-        raise SpecError(f"--duration-s {duration_s}: expected a positive number of seconds")
+    the run-level metrics are extrapolated (``twin.early``); the engine result is then partial. (With a
+    client cap the run is simulated in full: held-back arrivals make the extrapolation unknowable.)
+
+    Every input is checked before the compiled engine runs: ``SpecError`` (a ``ValueError``) for malformed
+    arrays or flags, ``ResourceLimitError`` for runs over ``limits`` (``guards.DEFAULT_LIMITS``)."""
+    duration_s = check_seconds(duration_s)
+    ranks = check_ranks(ranks)
+    if not isinstance(req, RequestArrays):
+        raise SpecError(f"req: expected RequestArrays, got {type(req).__name__}")
+    if not isinstance(flags, ServerFlags):
+        raise SpecError(f"flags: expected ServerFlags, got {type(flags).__name__}")
+    req.check(len(ranks))
     srv = resolve_server(profile, ranks, flags)
-    server = {"max_loras": srv.max_loras, "max_lora_rank": srv.max_lora_rank,
-              "max_cpu_loras": srv.max_cpu_loras, "max_num_batched_tokens": srv.max_num_batched_tokens,
-              "max_num_seqs": srv.max_num_seqs, "max_model_len": srv.max_model_len}
+    server = server_settings(srv)
     if not srv.starts:
-        out = oom_metrics(srv, len(req))
-        out["server"] = server
-        return out, None
+        return oom_metrics(srv, len(req)).replace(server=server), None
     cfg = engine_config(profile, ranks, srv, duration_s, flags.client_cap, flags.warm_start)
-    out = {"oom": False, "error_type": None, "kv_cache_tokens": srv.kv_cache_tokens}
     if early_stop is not None:
-        res, metrics, _eng = run_with_early_stop(cfg, req, early_stop)
-        out.update(metrics)
+        res, metrics, _eng = run_with_early_stop(cfg, req, early_stop, limits)
     else:
-        res = simulate_fast(cfg, req)
-        out.update(compute_metrics(res, req, duration_s, len(ranks)))
-        out.update(stop_reason="full", simulated_s=duration_s)
-    out["server"] = server
-    return out, res
+        res = simulate_fast(cfg, req, limits=limits)
+        metrics = compute_metrics(res, req, duration_s, len(ranks)).replace(stop_reason="full",
+                                                                             simulated_s=duration_s)
+    return metrics.replace(kv_cache_tokens=srv.kv_cache_tokens, server=server), res
 
 
 def simulate(profile: Profile, workload, flags: ServerFlags, duration_s: float | None = None,
-             seed: int = 0, early_stop: EarlyStopOptions | None = None) -> tuple[dict, EngineResult | None]:
-    """Generate the workload's arrivals with ``seed`` and simulate them; adds ``wall_s``."""
+             seed: int = 0, early_stop: EarlyStopOptions | None = None, limits: Limits | None = None
+             ) -> tuple[RunMetrics, EngineResult | None]:
+    """Generate the workload's arrivals with ``seed`` and simulate them; sets ``wall_s``, ``duration_s``,
+    ``seed``, ``model`` and ``gpu``.
+
+    The run's cost is estimated from the workload before anything is generated (``guards``)."""
     from ..workload import generate_requests
 
     t0 = time.perf_counter()
     # an explicit 0 is an error, not "use the default"
-    dur = duration_s if duration_s is not None else (workload.duration_s or DEFAULT_DURATION_S)
-    if not math.isfinite(dur) or dur <= 0:
-        raise SpecError(f"--duration-s {dur:g}: expected a positive number of seconds")
-    req = generate_requests(workload, dur, seed)
-    out, res = simulate_requests(profile, workload.ranks, req, flags, dur, early_stop)
-    out["wall_s"] = time.perf_counter() - t0
-    out["duration_s"] = dur
-    out["seed"] = seed
-    out["model"] = profile.model
-    out["gpu"] = profile.gpu
-    return out, res
+    dur = check_seconds(duration_s if duration_s is not None else (workload.duration_s or DEFAULT_DURATION_S))
+    check(estimate_workload(workload, dur, step_model(profile, resolve_server(profile, workload.ranks, flags))
+                            .to_array()), limits)
+    req = generate_requests(workload, dur, seed, limits=limits)
+    out, res = simulate_requests(profile, workload.ranks, req, flags, dur, early_stop, limits)
+    return out.replace(wall_s=time.perf_counter() - t0, duration_s=dur, seed=seed, model=profile.model,
+                       gpu=profile.gpu), res

@@ -18,14 +18,62 @@ Time conventions (shared by both engines):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import SpecError
+from .steptime import N_COEF
+
+INT32_MAX = 2**31 - 1
+INT64_SAFE = 2**62  # integer settings pass through numba's int64 arithmetic
+
+
+def _array(name: str, values, kind: str) -> np.ndarray:
+    """``values`` as a 1-D array of ``kind`` ("float" or "int"), or a one-line ``SpecError`` saying why not.
+
+    Integer fields accept integer arrays and floats with integral values (checked *before* the int32 cast,
+    so 2**31 + 5 is an error instead of a negative number); booleans, strings and objects are refused.
+    """
+    try:
+        a = np.asarray(values)
+    except (ValueError, TypeError) as exc:  # ragged nested lists
+        raise SpecError(f"{name}: expected a 1-D numeric array ({' '.join(str(exc).split())})") from None
+    if a.ndim != 1:
+        raise SpecError(f"{name}: expected a 1-D array, got shape {a.shape}")
+    if a.dtype == np.bool_ or a.dtype.kind not in "iuf":
+        raise SpecError(f"{name}: expected {'numbers' if kind == 'float' else 'integers'}, got dtype {a.dtype}")
+    if kind == "float":
+        return np.ascontiguousarray(a, dtype=np.float64)
+    if a.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(a) | (a != np.round(a))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise SpecError(f"{name}[{i}] = {float(a[i])}: expected integers")
+    return a
+
+
+def _int32_in(name: str, a: np.ndarray, lo: int, hi: int, what: str) -> np.ndarray:
+    """``a`` cast to int32 after checking ``lo <= a <= hi`` on the original values."""
+    if len(a):
+        bad = (a < lo) | (a > hi)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise SpecError(f"{name}[{i}] = {int(a[i])}: expected {what}")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
 
 @dataclass
 class RequestArrays:
-    """All arrivals of one run, sorted by ``t_arr_s`` (ties: lower adapter first)."""
+    """All arrivals of one run, sorted by ``t_arr_s`` (ties: lower adapter first).
+
+    Checked on construction (and again by the engines, since arrays can be changed afterwards): 1-D, equal
+    lengths, finite arrival times >= 0 in non-decreasing order, token counts in ``[1, 2**31 - 1]``, adapter
+    indices in ``[0, 2**31 - 1]`` (``check_adapters`` compares them with the server's adapter count).
+    Violations raise ``SpecError`` (a ``ValueError``). ``RequestArrays.sorted(...)`` sorts unsorted input.
+    """
 
     t_arr_s: np.ndarray  # float64 [n]
     adapter: np.ndarray  # int32 [n], index into the server's adapter list (registration order)
@@ -33,16 +81,63 @@ class RequestArrays:
     output_tokens: np.ndarray  # int32 [n], >= 1
 
     def __post_init__(self) -> None:
-        self.t_arr_s = np.ascontiguousarray(self.t_arr_s, dtype=np.float64)
-        self.adapter = np.ascontiguousarray(self.adapter, dtype=np.int32)
-        self.prompt_tokens = np.ascontiguousarray(self.prompt_tokens, dtype=np.int32)
-        self.output_tokens = np.ascontiguousarray(self.output_tokens, dtype=np.int32)
-        n = len(self.t_arr_s)
-        if not (len(self.adapter) == len(self.prompt_tokens) == len(self.output_tokens) == n):
-            raise ValueError("request arrays must all have the same length")
+        t = _array("t_arr_s", self.t_arr_s, "float")
+        ad = _array("adapter", self.adapter, "int")
+        p = _array("prompt_tokens", self.prompt_tokens, "int")
+        o = _array("output_tokens", self.output_tokens, "int")
+        if not len(ad) == len(p) == len(o) == len(t):
+            raise SpecError(f"request arrays must all have the same length (t_arr_s {len(t)}, adapter {len(ad)}, "
+                            f"prompt_tokens {len(p)}, output_tokens {len(o)})")
+        self.t_arr_s = t
+        self.adapter = _int32_in("adapter", ad, 0, INT32_MAX, "an adapter index >= 0")
+        self.prompt_tokens = _int32_in("prompt_tokens", p, 1, INT32_MAX, f"a token count in [1, {INT32_MAX}]")
+        self.output_tokens = _int32_in("output_tokens", o, 1, INT32_MAX, f"a token count in [1, {INT32_MAX}]")
+        _check_times(self.t_arr_s)
 
     def __len__(self) -> int:
         return len(self.t_arr_s)
+
+    @classmethod
+    def sorted(cls, t_arr_s, adapter, prompt_tokens, output_tokens) -> RequestArrays:
+        """Build from unsorted requests: sorted by time, ties by adapter (the order the engines expect)."""
+        t = _array("t_arr_s", t_arr_s, "float")
+        ad = _array("adapter", adapter, "int")
+        p = _array("prompt_tokens", prompt_tokens, "int")
+        o = _array("output_tokens", output_tokens, "int")
+        if not len(ad) == len(p) == len(o) == len(t):
+            return cls(t, ad, p, o)  # the constructor names the lengths
+        order = np.lexsort((ad, t))
+        return cls(t[order], ad[order], p[order], o[order])
+
+    def check(self, n_adapters: int | None = None) -> None:
+        """Re-check every field (the arrays may have been modified since construction); with
+        ``n_adapters``, also that every adapter index is below it. Raises ``SpecError``."""
+        RequestArrays(self.t_arr_s, self.adapter, self.prompt_tokens, self.output_tokens)
+        if n_adapters is not None:
+            check_adapters(self.adapter, n_adapters)
+
+
+def _check_times(t: np.ndarray) -> None:
+    if not len(t):
+        return
+    bad = ~np.isfinite(t) | (t < 0.0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise SpecError(f"t_arr_s[{i}] = {float(t[i])}: expected finite arrival times >= 0 s")
+    down = np.diff(t) < 0.0
+    if down.any():
+        i = int(np.flatnonzero(down)[0])
+        raise SpecError(f"t_arr_s is not sorted (t_arr_s[{i + 1}] = {t[i + 1]:g} < t_arr_s[{i}] = {t[i]:g}); "
+                        f"expected non-decreasing times (RequestArrays.sorted(...) sorts them)")
+
+
+def check_adapters(adapter: np.ndarray, n_adapters: int) -> None:
+    """Every index in ``[0, n_adapters)``: the engines index per-adapter arrays with it, unchecked."""
+    if len(adapter) and (int(adapter.min()) < 0 or int(adapter.max()) >= n_adapters):
+        bad = (adapter < 0) | (adapter >= n_adapters)
+        i = int(np.flatnonzero(bad)[0])
+        raise SpecError(f"adapter[{i}] = {int(adapter[i])}: expected an adapter index in [0, {n_adapters - 1}] "
+                        f"(the server has {n_adapters} adapter{'s' if n_adapters != 1 else ''})")
 
 
 @dataclass
@@ -65,13 +160,35 @@ class EngineConfig:
     timeline_dt_s: float = 2.0
 
     def __post_init__(self) -> None:
-        self.load_ms = np.ascontiguousarray(self.load_ms, dtype=np.float64)
-        self.disk_ms = np.ascontiguousarray(self.disk_ms, dtype=np.float64)
-        self.step_coef = np.ascontiguousarray(self.step_coef, dtype=np.float64)
-        if len(self.load_ms) != len(self.disk_ms):
-            raise ValueError("load_ms and disk_ms must have one entry per adapter")
-        if self.max_loras < 1 or self.max_cpu_loras < self.max_loras:
-            raise ValueError("need 1 <= max_loras <= max_cpu_loras")
+        self.check()
+
+    def check(self) -> None:
+        """Validate every field (``SpecError``); the engines call it again before running."""
+        for name in ("load_ms", "disk_ms", "step_coef"):
+            a = _array(name, getattr(self, name), "float")
+            if not np.all(np.isfinite(a)):
+                raise SpecError(f"{name}: expected finite numbers")
+            setattr(self, name, a)
+        if len(self.step_coef) != N_COEF:
+            raise SpecError(f"step_coef: expected {N_COEF} coefficients (StepModel.to_array()), got "
+                            f"{len(self.step_coef)}")
+        if len(self.load_ms) != len(self.disk_ms) or len(self.load_ms) < 1:
+            raise SpecError("load_ms and disk_ms must have one entry per adapter (at least one adapter)")
+        if (self.load_ms < 0).any() or (self.disk_ms < 0).any():
+            raise SpecError("load_ms and disk_ms: expected load times >= 0 ms")
+        for name, lo in (("max_loras", 1), ("max_cpu_loras", 1), ("kv_blocks", 0), ("max_num_seqs", 1),
+                         ("max_num_batched_tokens", 1), ("block_size", 1), ("client_cap", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or not lo <= v <= INT64_SAFE:
+                raise SpecError(f"{name} {v!r}: expected an integer between {lo} and {INT64_SAFE}")
+        if self.max_cpu_loras < self.max_loras:
+            raise SpecError(f"max_cpu_loras {self.max_cpu_loras} < max_loras {self.max_loras}: "
+                            "need 1 <= max_loras <= max_cpu_loras")
+        for name in ("duration_s", "timeline_dt_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating) \
+                    or not math.isfinite(v) or v <= 0:
+                raise SpecError(f"{name} {v!r}: expected a finite number of seconds > 0")
 
     @property
     def n_adapters(self) -> int:

@@ -20,58 +20,73 @@ EMPTY_TIMES = np.empty(0, dtype=np.float64)
 GapSampler = Callable[[int], np.ndarray]
 
 
+MAX_BLOCK = 1 << 20  # draws per block: bounds the memory of one draw whatever the rate
+
+
+class TooManyArrivals(Exception):
+    """Generation passed its request budget (the caller turns it into a ``ResourceLimitError``)."""
+
+
 def _block_size(expected: float, cv: float) -> int:
     # expected count + 6 sigma + 16: one block almost always suffices, the overshoot is cheap
-    return int(expected + 6.0 * math.sqrt(expected) * max(1.0, cv) + 16)
+    n = expected + 6.0 * math.sqrt(expected) * max(1.0, cv) + 16
+    return MAX_BLOCK if not n < MAX_BLOCK else int(n)
 
 
 def renewal_times(draw_gaps: GapSampler, rate_rps: float, window_s: float, cv: float = 1.0,
-                  sizing_window_s: float | None = None) -> np.ndarray:
+                  sizing_window_s: float | None = None, max_count: int | None = None) -> np.ndarray:
     """Arrival times in ``[0, window_s)`` of a renewal process started at 0 with mean gap ``1/rate_rps``.
 
     ``draw_gaps(n)`` returns n fresh gaps (a new array). ``sizing_window_s`` only sizes the first block (so
-    the draws consumed do not depend on a truncated window).
+    the draws consumed do not depend on a truncated window). More than ``max_count`` arrivals raise
+    ``TooManyArrivals`` (checked block by block, so a heavy-tailed law cannot exhaust the memory).
     """
     if rate_rps <= 0 or window_s <= 0:
         return EMPTY_TIMES
     n = _block_size(rate_rps * (sizing_window_s or window_s), cv)
     parts: list[np.ndarray] = []
     t_last = 0.0
+    count = 0
     while True:
         gaps = draw_gaps(n)
         gaps[0] += t_last
         t = np.cumsum(gaps)
-        if not t[-1] < window_s:  # also stops on inf/nan from absurdly small rates
-            parts.append(t[: np.searchsorted(t, window_s, side="left")])
-            break
+        done = not t[-1] < window_s  # also stops on inf/nan from absurdly small rates
+        if done:
+            t = t[: np.searchsorted(t, window_s, side="left")]
+        count += len(t)
+        if max_count is not None and count > max_count:
+            raise TooManyArrivals(count)
         parts.append(t)
+        if done:
+            break
         t_last = float(t[-1])
         n = _block_size(rate_rps * (window_s - t_last), cv)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def poisson_times(rng: np.random.Generator, rate_rps: float, window_s: float,
-                  sizing_window_s: float | None = None) -> np.ndarray:
+                  sizing_window_s: float | None = None, max_count: int | None = None) -> np.ndarray:
     """Poisson arrivals: exponential gaps with mean ``1/rate_rps``."""
     with np.errstate(over="ignore", divide="ignore"):  # an absurdly small rate gives inf gaps: no arrival
         scale = 1.0 / rate_rps if rate_rps > 0 else 0.0
         return renewal_times(lambda n: rng.standard_exponential(n) * scale, rate_rps, window_s, 1.0,
-                             sizing_window_s)
+                             sizing_window_s, max_count)
 
 
 def lognormal_times(rng: np.random.Generator, rate_rps: float, window_s: float, sigma: float = 1.0,
-                    sizing_window_s: float | None = None) -> np.ndarray:
+                    sizing_window_s: float | None = None, max_count: int | None = None) -> np.ndarray:
     """Log-normal gaps with mean ``1/rate_rps``: ``mu = -ln(rate) - sigma^2/2`` (placement.md §6.5)."""
     if rate_rps <= 0:
         return EMPTY_TIMES
     mu = -math.log(rate_rps) - 0.5 * sigma * sigma
-    cv = math.sqrt(math.expm1(sigma * sigma))
+    cv = math.sqrt(math.expm1(sigma * sigma)) if sigma < 26.0 else math.inf  # expm1 overflows past ~26.6
 
     def gaps(n: int) -> np.ndarray:
-        with np.errstate(over="ignore"):  # a tiny rate gives inf gaps, i.e. no arrival: that is correct
+        with np.errstate(over="ignore", under="ignore"):  # a tiny rate gives inf gaps, i.e. no arrival
             return np.exp(mu + sigma * rng.standard_normal(n))
 
-    return renewal_times(gaps, rate_rps, window_s, cv, sizing_window_s)
+    return renewal_times(gaps, rate_rps, window_s, cv, sizing_window_s, max_count)
 
 
 def unpredictable_multipliers(regime_u: np.ndarray, spec: UnpredictableArrivals) -> tuple[np.ndarray, np.ndarray]:
@@ -94,11 +109,13 @@ def unpredictable_multipliers(regime_u: np.ndarray, spec: UnpredictableArrivals)
 
 
 def unpredictable_times(rng: np.random.Generator, regime_rng: np.random.Generator, rate_rps: float,
-                        window_s: float, spec: UnpredictableArrivals) -> tuple[np.ndarray, np.ndarray]:
+                        window_s: float, spec: UnpredictableArrivals, max_count: int | None = None
+                        ) -> tuple[np.ndarray, np.ndarray]:
     """Arrival times in ``[0, window_s)`` and the per-period multipliers of one adapter.
 
     Each period restarts its renewal process at the period start: a gap crossing the boundary is dropped
-    and redrawn from the boundary with the new law and rate.
+    and redrawn from the boundary with the new law and rate. More than ``max_count`` arrivals raise
+    ``TooManyArrivals``.
     """
     n_periods = max(1, math.ceil(window_s / spec.period_s))
     # regime draws come from their own stream, shaped [K, 2] so a longer window only appends periods
@@ -106,13 +123,16 @@ def unpredictable_times(rng: np.random.Generator, regime_rng: np.random.Generato
     if rate_rps <= 0:
         return EMPTY_TIMES, mult
     parts: list[np.ndarray] = []
+    count = 0
     for j in range(n_periods):
         start = j * spec.period_s
         span = min(spec.period_s, window_s - start)
         rate = rate_rps * mult[j]
+        left = None if max_count is None else max_count - count
         if lognormal[j]:
-            t = lognormal_times(rng, rate, span, spec.sigma, sizing_window_s=spec.period_s)
+            t = lognormal_times(rng, rate, span, spec.sigma, sizing_window_s=spec.period_s, max_count=left)
         else:
-            t = poisson_times(rng, rate, span, sizing_window_s=spec.period_s)
+            t = poisson_times(rng, rate, span, sizing_window_s=spec.period_s, max_count=left)
+        count += len(t)
         parts.append(t + start)
     return np.concatenate(parts), mult

@@ -14,7 +14,8 @@ import operator
 
 import numpy as np
 
-from ..errors import SpecError
+from ..errors import ResourceLimitError, SpecError
+from ..guards import DEFAULT_LIMITS, FORCE_HINT, HARD_MAX_REQUESTS, Limits
 from ..spec import (
     LognormalArrivals,
     PoissonArrivals,
@@ -23,7 +24,13 @@ from ..spec import (
     Workload,
 )
 from ..twin.types import RequestArrays
-from .arrivals import lognormal_times, poisson_times, unpredictable_multipliers, unpredictable_times
+from .arrivals import (
+    TooManyArrivals,
+    lognormal_times,
+    poisson_times,
+    unpredictable_multipliers,
+    unpredictable_times,
+)
 from .lengths import length_draws, lengths_from_draws
 from .trace import assign_adapters, assignment_weights, load_trace, scaled_trace
 
@@ -62,17 +69,21 @@ def adapter_ranks(workload: Workload) -> np.ndarray:
     return workload.ranks
 
 
-def adapter_arrival_times(workload: Workload, index: int, duration_s: float, seed: int) -> np.ndarray:
-    """Arrival times of adapter ``index`` in ``[0, duration_s)`` (not for trace arrivals)."""
+def adapter_arrival_times(workload: Workload, index: int, duration_s: float, seed: int,
+                          max_count: int | None = None) -> np.ndarray:
+    """Arrival times of adapter ``index`` in ``[0, duration_s)`` (not for trace arrivals).
+
+    More than ``max_count`` arrivals raise ``arrivals.TooManyArrivals``."""
     spec = workload.arrivals
     rate_rps = workload.adapters[index].rate_rps
     rng = stream_rng(seed, index, STREAM_ARRIVALS)
     if isinstance(spec, PoissonArrivals):
-        return poisson_times(rng, rate_rps, duration_s)
+        return poisson_times(rng, rate_rps, duration_s, max_count=max_count)
     if isinstance(spec, LognormalArrivals):
-        return lognormal_times(rng, rate_rps, duration_s, spec.sigma)
+        return lognormal_times(rng, rate_rps, duration_s, spec.sigma, max_count=max_count)
     if isinstance(spec, UnpredictableArrivals):
-        times, _ = unpredictable_times(rng, stream_rng(seed, index, STREAM_REGIME), rate_rps, duration_s, spec)
+        times, _ = unpredictable_times(rng, stream_rng(seed, index, STREAM_REGIME), rate_rps, duration_s, spec,
+                                       max_count)
         return times
     raise TypeError(f"no per-adapter arrival process for {type(spec).__name__}")
 
@@ -116,16 +127,32 @@ def _stable_time_order(t_s: np.ndarray) -> np.ndarray:
     return order
 
 
-def generate_requests(workload: Workload, duration_s: float, seed: int) -> RequestArrays:
+def generate_requests(workload: Workload, duration_s: float, seed: int, limits: Limits | None = None
+                      ) -> RequestArrays:
     """All requests of ``workload`` arriving in ``[0, duration_s)``, sorted by time (ties: lower adapter).
 
-    The adapter of a request is its registration index in ``workload.adapters``.
+    The adapter of a request is its registration index in ``workload.adapters``. Generation stops with a
+    ``ResourceLimitError`` once it passes ``limits.request_budget()`` requests (checked as it goes: the
+    nominal rate is not a bound for heavy-tailed gaps); ``twin.run.simulate`` estimates the cost even before.
     """
     seed = _check_args(duration_s, seed)
+    budget = (limits or DEFAULT_LIMITS).request_budget()
     if isinstance(workload.arrivals, TraceArrivals):
-        return _trace_requests(workload, workload.arrivals, float(duration_s), seed)
+        return _trace_requests(workload, workload.arrivals, float(duration_s), seed, budget)
 
-    times = [adapter_arrival_times(workload, i, float(duration_s), seed) for i in range(workload.n_adapters)]
+    times: list[np.ndarray] = []
+    total = 0
+    for i in range(workload.n_adapters):
+        try:
+            t = adapter_arrival_times(workload, i, float(duration_s), seed, budget - total)
+        except TooManyArrivals:
+            limit = "a hard limit" if budget == HARD_MAX_REQUESTS else FORCE_HINT
+            raise ResourceLimitError(
+                f"adapter '{workload.adapters[i].adapter_id}' (rate_rps {workload.adapters[i].rate_rps:g}, "
+                f"{workload.arrivals.kind} arrivals) takes the run past {budget:,} requests within "
+                f"{float(duration_s):g} s; the limit is {budget:,} requests ({limit})") from None
+        total += len(t)
+        times.append(t)
     counts = np.fromiter((len(t) for t in times), dtype=np.int64, count=len(times))
     t_all = np.concatenate(times) if times else np.empty(0)
     adapter = np.repeat(np.arange(workload.n_adapters, dtype=np.int32), counts)
@@ -134,9 +161,15 @@ def generate_requests(workload: Workload, duration_s: float, seed: int) -> Reque
     return RequestArrays(t_all[order], adapter[order], prompt[order], output[order])
 
 
-def _trace_requests(workload: Workload, spec: TraceArrivals, duration_s: float, seed: int) -> RequestArrays:
+def _trace_requests(workload: Workload, spec: TraceArrivals, duration_s: float, seed: int,
+                    budget: int = HARD_MAX_REQUESTS) -> RequestArrays:
     trace = load_trace(spec.path)
     first = int(np.searchsorted(trace.t_s, spec.start_s, side="left"))
+    scaled = (len(trace) - first) * math.ceil(spec.load_scale)  # every copy is built before the window cut
+    if scaled > budget:
+        limit = "a hard limit" if budget == HARD_MAX_REQUESTS else FORCE_HINT
+        raise ResourceLimitError(f"arrivals.load_scale {spec.load_scale:g} x {len(trace) - first:,} trace requests "
+                                 f"= {scaled:,} requests to build; the limit is {budget:,} requests ({limit})")
     t0 = trace.t_s[first:] - spec.start_s
     # scaling comes before assignment (placement.md §6.2), and before the window cut
     idx, t = scaled_trace(t0, spec.load_scale, spec.jitter_s, stream_rng(seed, TRACE_KEY, TRACE_STREAM_SCALE))

@@ -167,7 +167,12 @@ def _load_lengths_table_cached(path: str, mtime_ns: int, size: int) -> np.ndarra
 def call_cached_by_file(loader, path: str | Path):
     """``loader(resolved_path, mtime_ns, size)``: an ``lru_cache``d reader keyed by the file's identity, so an
     edited file is read again."""
+    from ..checks import input_file_problem
+
     p = Path(path)
+    problem = input_file_problem(p)
+    if problem is not None:
+        raise DataError(f"{p}: {problem}")
     try:
         st = p.stat()
     except OSError:

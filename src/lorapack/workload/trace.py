@@ -76,20 +76,19 @@ def scaled_trace(
     n = len(t_s)
     n_copies = max(1, math.ceil(load_scale - 1e-12))
     frac = load_scale - math.floor(load_scale + 1e-12)
-    idx_parts: list[np.ndarray] = []
-    t_parts: list[np.ndarray] = []
+    t0 = np.asarray(t_s, dtype=np.float64)
     base = np.arange(n, dtype=np.int64)
-    for c in range(n_copies):
-        t_c = np.asarray(t_s, dtype=np.float64)
-        if c > 0:
-            t_c = np.maximum(t_c + rng.uniform(-jitter_s, jitter_s, size=n), 0.0)
-        keep = None
-        if c == n_copies - 1 and frac > 1e-12:
-            keep = rng.random(n) < frac
-        idx_parts.append(base if keep is None else base[keep])
-        t_parts.append(t_c if keep is None else t_c[keep])
-    idx = np.concatenate(idx_parts)
-    t = np.concatenate(t_parts)
+    # copies 1.. drawn in one call: the same stream as one draw of n per copy, without a Python loop per copy
+    jit = rng.uniform(-jitter_s, jitter_s, size=(n_copies - 1, n))
+    t_copies = np.maximum(t0 + jit, 0.0)
+    del jit
+    idx = np.tile(base, n_copies)
+    t = np.concatenate([t0, t_copies.ravel()])
+    del t_copies
+    if frac > 1e-12:  # keep each request of the last copy with probability frac(k)
+        keep = np.ones(len(t), dtype=bool)
+        keep[(n_copies - 1) * n:] = rng.random(n) < frac
+        idx, t = idx[keep], t[keep]
     if n_copies > 1:
         order = np.argsort(t, kind="stable")
         idx, t = idx[order], t[order]

@@ -1,0 +1,174 @@
+"""``lorapack evaluate``: trace-derived scenarios, every placement method, replay through the twin."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..errors import SpecError
+from .common import JsonOpt, console, fmt, print_json
+
+
+def check_out_dir(out: Path) -> Path:
+    """Fail before any work when ``out`` cannot be used as an output directory."""
+    out = out.expanduser()
+    if out.exists() and not out.is_dir():
+        raise SpecError(f"--out {out}: exists and is not a directory")
+    parent = out if out.exists() else out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise SpecError(f"--out {out}: cannot write under {parent}")
+    return out
+
+
+def _methods_option(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not names:
+        raise SpecError("--methods: expected a comma list of method names")
+    return names
+
+
+def evaluate(
+    scenarios: Annotated[list[Path], typer.Argument(help="Scenario YAML file(s) (see docs/evaluation.md).")],
+    methods: Annotated[str | None, typer.Option(
+        "--methods", help="Comma list of placement methods (default: the files' lists, else all).")] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write results.json, report.md, figures/ and plans/ here.")] = None,
+    budget_s: Annotated[float | None, typer.Option(
+        "--budget-s", help="Stop starting new work after T seconds; the report lists what was skipped.")] = None,
+    objective: Annotated[str | None, typer.Option(
+        "--objective", help="Override the files' objective: default (latency objective) | throughput.")] = None,
+    workers: Annotated[int, typer.Option(help="Processes for parallel GPU replays (0 = all cores).")] = 1,
+    max_pack: Annotated[bool, typer.Option("--max-pack/--no-max-pack",
+                                           help="Single-GPU Max_pack curves (where the files ask for them).")] = True,
+    json_out: JsonOpt = False,
+) -> None:
+    """Derive workloads from a trace, place them with every method (smallest pool and fixed pool), replay
+    the plans through the twin per GPU, and report GPUs, lower bound, starvation, OOM, throughput, latency."""
+    from dataclasses import replace
+
+    from ..evaluate.methods import check_methods, default_placer
+    from ..evaluate.parallel import PoolMapper
+    from ..evaluate.report import contract_json, write_outputs, write_results
+    from ..evaluate.runner import evaluate_scenarios
+    from ..evaluate.scenario import OBJECTIVE_NAMES, load_scenarios
+
+    if budget_s is not None and (not math.isfinite(budget_s) or budget_s <= 0):
+        raise SpecError(f"--budget-s {budget_s}: expected a positive number of seconds")
+    if workers < 0:
+        raise SpecError(f"--workers {workers}: expected an integer >= 0 (0 = all cores)")
+    if objective is not None and objective not in OBJECTIVE_NAMES:
+        raise SpecError(f"--objective {objective}: expected one of {', '.join(OBJECTIVE_NAMES)}")
+    if out is not None:
+        out = check_out_dir(out)
+    workers_n = workers or (os.cpu_count() or 1)
+    placer = default_placer(workers_n)
+    meths = _methods_option(methods)
+    if meths is not None:
+        check_methods(meths, placer)
+    scs = []
+    for path in scenarios:
+        scs.extend(load_scenarios(path))
+    if objective is not None:
+        seen: set[tuple] = set()
+        merged = []
+        for s in scs:
+            s2 = replace(s, objective=objective, objective_limits=None)
+            key = (s2.workload_key(), s2.methods, s2.fixed_pool)
+            if key not in seen:  # the objective axis collapses onto the override
+                seen.add(key)
+                merged.append(s2)
+        scs = merged
+    if not max_pack:
+        scs = [replace(s, max_pack=False) for s in scs]
+    names = [s.name for s in scs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise SpecError(f"two scenarios are named {dup!r}; give the scenario files distinct 'name' fields")
+
+    n_units = sum(len(meths or s.methods or placer.methods()) for s in scs)
+    from ..twin.engine import warm_up
+
+    warm_up()
+
+    def save_partial(doc_so_far: dict) -> None:
+        if out is not None:
+            write_results(doc_so_far, out)
+
+    partial: dict = {"scenarios": []}
+
+    def on_scenario(entry: dict) -> None:
+        partial["scenarios"].append({k: v for k, v in entry.items() if k != "plans"})
+        save_partial(partial)
+
+    with PoolMapper(workers_n) as mapper:
+        if json_out:
+            doc = evaluate_scenarios(scs, placer, meths, budget_s, mapper, on_scenario=on_scenario,
+                                     keep_plans=out is not None)
+        else:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+            with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), console=console, transient=True) as bar:
+                task = bar.add_task("evaluate", total=n_units)
+
+                def on_step(text: str, done: int) -> None:
+                    bar.update(task, description=text, advance=done)
+
+                doc = evaluate_scenarios(scs, placer, meths, budget_s, mapper, on_step=on_step,
+                                         on_scenario=on_scenario, keep_plans=out is not None)
+    files = write_outputs(doc, out) if out is not None else {}
+    if json_out:
+        payload = contract_json(doc)
+        if files:
+            payload["files"] = files
+        print_json(payload)
+        return
+    _print_tables(doc)
+    if doc["skipped"]:
+        console.print(f"[yellow]--budget-s {budget_s:g} spent:[/yellow] skipped "
+                      + ", ".join(f"{s['scenario']} ({s['what']}"
+                                  + (f": {', '.join(s['methods'])}" if s["what"] == "method" else "") + ")"
+                                  for s in doc["skipped"]))
+    if files:
+        console.print(f"Report: {files['report']}  (results.json, figures/ and plans/ beside it)")
+
+
+def _print_tables(doc: dict) -> None:
+    from ..evaluate.report import summary_markdown
+
+    for sc in doc["scenarios"]:
+        s, w = sc["scenario"], sc["workload"]
+        t = Table(title=f"{sc['name']}: {s['n_adapters']} adapters, ×{s['load_scale']:g} "
+                        f"({w['aggregate_rate_rps']:.1f} req/s), ranks {s['ranks']}, {s['model']}, objective "
+                        f"{s['objective']}; lower bound {sc['lower_bound_gpus']} GPUs",
+                  title_justify="left")
+        for c in ("method", "GPUs", "clean", "fixed pool", "starved", "OOM", "lat. viol.", "thr tok/s", "ITL ms",
+                  "TTFT s", "TTFT p99 s", "place ms"):
+            t.add_column(c, justify="right" if c != "method" else "left")
+        for m, r in sc["methods"].items():
+            if r.get("error"):
+                t.add_row(m, f"[red]error[/red]: {r['error']}", *["-"] * 10)
+                continue
+            if r.get("infeasible"):
+                t.add_row(m, "[red]infeasible[/red]", "-", fmt(r.get("gpus_used_fixed_pool")), *["-"] * 7,
+                          fmt(r.get("placement_ms"), 2))
+                continue
+            g = r.get("gpus_used")
+            t.add_row(m, fmt(g) if g is not None else "[red]none[/red]",
+                      "[green]yes[/green]" if r.get("replay_clean") else "[red]no[/red]",
+                      fmt(r.get("gpus_used_fixed_pool")), fmt(r.get("starved_gpus")), fmt(r.get("oom_gpus")),
+                      fmt(r.get("latency_violation_gpus")), fmt(r.get("throughput_tok_s"), 0),
+                      fmt(r.get("itl_mean_ms")), fmt(r.get("ttft_mean_s"), 2), fmt(r.get("ttft_p99_s"), 1),
+                      fmt(r.get("placement_ms"), 2))
+        console.print(t)
+    if doc["scenarios"]:
+        console.print(summary_markdown(doc))

@@ -1,0 +1,144 @@
+"""``lorapack place``: a workload's adapters onto the fewest GPUs; writes plan.json, serve.sh, routes.json."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..errors import LorapackError
+from .common import GpuOpt, JsonOpt, ModelOpt, ProfileOpt, console, err_console, fmt, load_profile, print_json
+
+_METHODS_HELP = ("proposed (learned models), proposed-fast (shallow trees), proposed-exact (the twin as the "
+                 "oracle), proposed-lat, dlora, loraserve, least-adapters, round-robin")
+
+
+class ObjectiveKind(StrEnum):
+    latency = "latency"
+    throughput = "throughput"
+
+
+def place(
+    workload: Annotated[Path, typer.Argument(
+        help="Workload spec: YAML, or a CSV adapter_id,rank,rate_rps[,path] (the forecast rates).")],
+    model: ModelOpt = None,
+    gpu: GpuOpt = "h100-64gb",
+    profile: ProfileOpt = None,
+    gpus: Annotated[int | None, typer.Option(
+        "--gpus", help="GPU pool size (default: as many as needed). A plan that needs more exits with code 2.")
+    ] = None,
+    method: Annotated[str, typer.Option("--method", help=f"Placement method: {_METHODS_HELP}.")] = "proposed",
+    models: Annotated[Path | None, typer.Option(
+        "--models", help="Directory of learned models for proposed / proposed-fast / proposed-lat "
+                         "(default: the shipped ones).")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Output directory for plan.json, serve.sh, routes.json.")
+                   ] = Path("plan"),
+    objective: Annotated[ObjectiveKind, typer.Option(
+        "--objective", help="latency (default): every GPU keeps mean TTFT <= --max-ttft-s (default 2 s) and is "
+                            "not starved; throughput: the paper's criterion only (>= 90 % of the offered tokens).")
+    ] = ObjectiveKind.latency,
+    max_ttft_s: Annotated[float | None, typer.Option(
+        "--max-ttft-s", help="Mean time to first token per GPU, seconds (latency objective default: 2).")] = None,
+    max_itl_ms: Annotated[float | None, typer.Option("--max-itl-ms", help="Mean inter-token latency, ms.")] = None,
+    max_ttft_p99_s: Annotated[float | None, typer.Option("--max-ttft-p99-s", help="p99 TTFT, seconds.")] = None,
+    max_itl_p99_ms: Annotated[float | None, typer.Option(
+        "--max-itl-p99-ms", help="p99 over requests of the mean inter-token gap, ms.")] = None,
+    headroom: Annotated[float, typer.Option(
+        "--headroom", help="Plan for the forecast rates x (1 + headroom): margin for forecast error. "
+                           "Default 0.2 (rates x 1.2); 0 plans for the forecast itself.")] = 0.2,
+    verify: Annotated[bool, typer.Option(
+        "--verify/--no-verify", help="Simulate every GPU for the full hour (--verify-seeds seeds) and repair "
+                                     "failing GPUs (default on).")] = True,
+    verify_seeds: Annotated[int, typer.Option("--verify-seeds", help="Seeds per GPU in verification (>= 1).")
+                            ] = 3,
+    split_hot: Annotated[bool, typer.Option(
+        "--split-hot", help="Split adapters too hot for one GPU into weighted replicas on several GPUs.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of every simulation (plans are deterministic per seed).")] = 0,
+    n_max: Annotated[int, typer.Option("--n-max", help="Most adapters per GPU for the proposed methods.")] = 384,
+    mean_input_tokens: Annotated[float | None, typer.Option(help="Override the mean prompt tokens.")] = None,
+    mean_output_tokens: Annotated[float | None, typer.Option(help="Override the mean output tokens.")] = None,
+    workers: Annotated[int | None, typer.Option(help="Worker processes for twin runs (default: up to 2).")
+                       ] = None,
+    base_port: Annotated[int, typer.Option(help="Port of device 0 on each node (device d: base + d).")] = 8000,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node in serve.sh and routes.json.")] = 8,
+    host_pattern: Annotated[str | None, typer.Option(
+        help="Host of each node in routes.json, e.g. 'gpu-node-{node}' (default: localhost on one node).")
+    ] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Place WORKLOAD's adapters on the fewest GPUs: which adapter where, each GPU's --max-loras, verified by the
+    twin, with the commands to launch it (plan.json, serve.sh, routes.json in --out)."""
+    from ..placement import Objective
+    from ..placement import place as run_place
+    from ..placement.api import check_method
+    from ..placement.export import Endpoints, check_out_dir, write_outputs
+    from ..placement.problem import instance_from_workload
+    from ..spec import load_workload
+
+    # every check before any work: method, flags, output directory, profile, workload
+    check_method(method)
+    limits = {"max_itl_ms": max_itl_ms, "max_ttft_p99_s": max_ttft_p99_s, "max_itl_p99_ms": max_itl_p99_ms}
+    if objective is ObjectiveKind.latency:
+        obj = Objective(max_ttft_s=2.0 if max_ttft_s is None else max_ttft_s, **limits)
+    else:
+        obj = Objective(max_ttft_s=max_ttft_s, **limits)
+    endpoints = Endpoints(base_port=base_port, gpus_per_node=gpus_per_node, host_pattern=host_pattern)
+    check_out_dir(out)
+    if models is not None and not models.is_dir():
+        raise LorapackError(f"--models {models}: not a directory")
+    if workers is not None and workers < 1:
+        raise LorapackError(f"--workers {workers}: expected a positive integer")
+    prof = load_profile(model, gpu, profile)
+    wl = load_workload(workload)
+    inst = instance_from_workload(wl, headroom=headroom, mean_input_tokens=mean_input_tokens,
+                                  mean_output_tokens=mean_output_tokens, where=str(workload))
+
+    if json_out:
+        plan = run_place(inst, prof, method, gpus=gpus, objective=obj, verify=verify, verify_seeds=verify_seeds,
+                         seed=seed, split_hot=split_hot, n_max=n_max, models_dir=models, workers=workers)
+    else:
+        with err_console.status(f"placing {inst.n} adapters with {method}") as status:
+            plan = run_place(inst, prof, method, gpus=gpus, objective=obj, verify=verify,
+                             verify_seeds=verify_seeds, seed=seed, split_hot=split_hot, n_max=n_max,
+                             models_dir=models, workers=workers,
+                             progress=lambda msg: status.update(f"{method}: {msg}"))
+    if plan.infeasible:
+        raise LorapackError(plan.reason)
+    files = write_outputs(plan, out, inst.paths, endpoints)
+    if json_out:
+        print_json(plan.to_dict())
+        return
+    _render(plan, files)
+
+
+def _render(plan, files: list[Path]) -> None:
+    t = Table(title=f"{plan.method}: {plan.gpus_used} GPU(s) for {sum(len(g.adapters) for g in plan.gpus)} "
+                    f"adapter placements ({plan.model} on {plan.gpu_type})", title_justify="left")
+    for col in ("GPU", "adapters", "--max-loras", "--max-lora-rank", "offered tok/s", "verified tok/s",
+                "TTFT s", "ITL ms", "starved", "binding"):
+        t.add_column(col, justify="left" if col in ("binding",) else "right")
+    for gi, g in enumerate(plan.gpus):
+        m = g.verified or g.predicted
+        starved = "-" if m is None else ("[red]yes[/red]" if (m.starved or 0) > 0 or m.starved_adapters
+                                         else "[green]no[/green]")
+        t.add_row(str(gi), str(len(g.adapters)), str(g.max_loras), str(g.max_lora_rank), fmt(g.incoming_tok_s, 0),
+                  fmt(g.verified.throughput_tok_s, 0) if g.verified else "-",
+                  fmt(m.ttft_s, 2) if m else "-", fmt(m.itl_ms, 1) if m else "-", starved, g.binding)
+    console.print(t)
+    gap = plan.gap_gpus
+    v = plan.verification
+    lines = [
+        f"GPUs used: [bold]{plan.gpus_used}[/bold]; lower bound {plan.lower_bound_gpus}"
+        + (f" (gap {gap})" if gap is not None else ""),
+        f"placement {plan.placement_ms:,.1f} ms"
+        + (f"; verification {plan.verification_ms / 1e3:,.1f} s, {len(v.get('seeds', []))} seeds x "
+           f"{v.get('duration_s', 0):,.0f} s per GPU, {v.get('gpus_added', 0)} GPU(s) added by repair"
+           if v else "; not verified (--no-verify)"),
+        f"objective: {plan.settings['objective']}; headroom {plan.settings['headroom']:g}",
+        "wrote " + ", ".join(str(f) for f in files),
+    ]
+    for line in lines:
+        console.print(line, highlight=False)

@@ -1,0 +1,83 @@
+"""The placement side of an evaluation: what ``lorapack evaluate`` asks ``lorapack.placement``.
+
+``Placer`` is the narrow interface the runner uses (so tests can plug a toy placer); ``PlacementPlacer``
+implements it with lorapack's placement methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..errors import SpecError
+from ..placement.plan import Plan
+from ..profile import Profile
+from ..spec import Workload
+from .replay import LatencyObjective
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Lower bounds on the GPUs of any plan: with the N_max-adapters-per-GPU row and without it."""
+
+    gpus: int
+    gpus_no_nmax: int
+
+
+@dataclass(frozen=True)
+class PlaceRequest:
+    """One placement call: a method, a pool cap (None = the smallest pool the method finds) and settings."""
+
+    method: str
+    gpus: int | None
+    objective: str  # default | throughput | custom
+    limits: LatencyObjective | None  # for custom objectives
+    headroom: float | None
+    verify: bool
+    seed: int
+    split_hot: bool = False
+
+
+class Placer(Protocol):
+    """What the evaluation needs from a placement implementation."""
+
+    def methods(self) -> tuple[str, ...]:
+        """Every method name, in report order."""
+        ...
+
+    def sizes_itself(self, method: str) -> bool:
+        """True when the method opens GPUs itself (its own count is its answer), False when it places onto
+        a given number of GPUs (the evaluation then searches the smallest replay-clean pool)."""
+        ...
+
+    def objective(self, name: str, limits: LatencyObjective | None) -> LatencyObjective:
+        """The per-GPU latency limits a replayed GPU must meet under this objective."""
+        ...
+
+    def lower_bound(self, workload: Workload, profile: Profile, headroom: float | None) -> Bounds:
+        ...
+
+    def method_bound(self, method: str, bounds: Bounds) -> int:
+        """The bound a method is compared with (without the N_max row for methods that may exceed it)."""
+        ...
+
+    def place(self, workload: Workload, profile: Profile, req: PlaceRequest) -> Plan:
+        """A plan (``infeasible`` set when the method declares the workload infeasible on the pool)."""
+        ...
+
+
+def check_methods(names: list[str] | tuple[str, ...], placer: Placer | None = None) -> None:
+    """Raise ``SpecError`` naming the first unknown method."""
+    known = (placer or default_placer()).methods()
+    for m in names:
+        if m not in known:
+            raise SpecError(f"unknown method '{m}'; expected one of: {', '.join(known)}")
+
+
+def default_placer(workers: int = 1) -> Placer:
+    """lorapack's placement methods (``lorapack.placement``); ``workers`` processes for their twin runs."""
+    try:
+        from .placement_api import PlacementPlacer
+    except ImportError as exc:  # placement methods not installed in this build
+        raise SpecError(f"the placement methods are not available ({exc})") from None
+    return PlacementPlacer(workers=workers)

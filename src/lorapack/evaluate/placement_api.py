@@ -1,0 +1,72 @@
+"""``Placer`` over ``lorapack.placement``: which methods exist, how each is called, what the bound is.
+
+* The greedy methods (``proposed``, ``proposed-fast``, ``proposed-exact``) open GPUs themselves and are
+  verified by the twin and repaired (``verify`` of the scenario; ``verification_added_gpus`` in the results).
+* The pool methods (``proposed-lat`` and the baselines) are run raw, as published: ``gpus=None`` gives the
+  count of placement's own smallest-pool search (each size accepted by the method and validated by the twin
+  with one seed), the evaluation then looks for the smallest pool whose *replay* is clean; ``gpus=G`` is one
+  run on G GPUs (the fixed-pool protocol).
+* The lower bound is ``placement.lower_bound`` on the instance the methods get (headroom applied): with the
+  ``N_max`` row for the greedy methods (which keep at most N_max adapters per GPU), without it for the others
+  (placement's own convention).
+"""
+
+from __future__ import annotations
+
+from ..placement import (
+    DEFAULT_HEADROOM,
+    GREEDY_METHODS,
+    METHODS,
+    Objective,
+    instance_from_workload,
+    lower_bound,
+    place,
+)
+from ..placement.api import NMAX_METHODS
+from ..placement.plan import Plan
+from ..profile import Profile
+from ..spec import Workload
+from .methods import Bounds, PlaceRequest
+from .replay import LatencyObjective
+
+
+def placement_objective(name: str, limits: LatencyObjective | None) -> Objective:
+    if name == "throughput":
+        return Objective.throughput()
+    if name == "custom" and limits is not None:
+        return Objective(max_ttft_s=limits.max_ttft_s, max_itl_ms=limits.max_itl_ms,
+                         max_ttft_p99_s=limits.max_ttft_p99_s, max_itl_p99_ms=limits.max_itl_p99_ms)
+    return Objective()
+
+
+class PlacementPlacer:
+    """lorapack's placement methods behind the ``Placer`` interface."""
+
+    def __init__(self, workers: int = 1) -> None:
+        self.workers = workers
+
+    def methods(self) -> tuple[str, ...]:
+        return METHODS
+
+    def sizes_itself(self, method: str) -> bool:
+        return method in GREEDY_METHODS
+
+    def objective(self, name: str, limits: LatencyObjective | None) -> LatencyObjective:
+        o = placement_objective(name, limits)
+        return LatencyObjective(max_ttft_s=o.max_ttft_s, max_ttft_p99_s=o.max_ttft_p99_s, max_itl_ms=o.max_itl_ms,
+                                max_itl_p99_ms=o.max_itl_p99_ms)
+
+    def lower_bound(self, workload: Workload, profile: Profile, headroom: float | None) -> Bounds:
+        inst = instance_from_workload(workload, headroom=DEFAULT_HEADROOM if headroom is None else headroom)
+        b = lower_bound(inst, profile)
+        return Bounds(gpus=int(b.gpus), gpus_no_nmax=int(b.gpus_no_nmax))
+
+    def method_bound(self, method: str, bounds: Bounds) -> int:
+        return bounds.gpus if method in NMAX_METHODS else bounds.gpus_no_nmax
+
+    def place(self, workload: Workload, profile: Profile, req: PlaceRequest) -> Plan:
+        return place(workload, profile, req.method, gpus=req.gpus,
+                     objective=placement_objective(req.objective, req.limits),
+                     headroom=DEFAULT_HEADROOM if req.headroom is None else req.headroom,
+                     verify=req.verify and req.method in GREEDY_METHODS, seed=req.seed,
+                     split_hot=req.split_hot, workers=self.workers)

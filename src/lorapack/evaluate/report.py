@@ -1,0 +1,486 @@
+"""Outputs of ``lorapack evaluate``: the JSON document, a Markdown report, PNG figures, the plans.
+
+Everything here reads the results document (``runner.evaluate_scenarios``), so a report can be rebuilt
+from ``results.json`` alone (``render_report``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from ..cli.common import json_safe
+from .runner import CONTRACT_KEYS
+
+BASELINES = ("dlora", "loraserve", "least-adapters", "round-robin", "proposed-lat")
+PROPOSED = "proposed"
+PAPER_SAVING = 0.60
+GAP_GPUS, GAP_FRAC, GAP_MAX_N, GAP_TARGET = 1, 0.05, 256, 0.90
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the JSON contract
+
+
+def contract_json(doc: dict[str, Any]) -> dict[str, Any]:
+    """``{"scenarios": [{"name", "n_adapters", "load_scale", "methods": {METHOD: {...}}}]}`` plus extras."""
+    keys = CONTRACT_KEYS
+    extra = ("error", "infeasible", "reason", "replay_clean", "latency_violation_gpus", "starved_adapters",
+             "verification_added_gpus", "self_gpus", "gap_gpus", "no_clean_pool", "fixed_pool", "ttft_penalised_s",
+             "throughput_ratio", "incoming_tok_s")
+    out = []
+    for sc in doc["scenarios"]:
+        methods = {}
+        for m, r in sc["methods"].items():
+            row = {k: r.get(k) for k in keys}
+            row.update({k: r[k] for k in extra if k in r and r[k] is not None and r[k] is not False})
+            methods[m] = row
+        item = {"name": sc["name"], "n_adapters": sc["n_adapters"], "load_scale": sc["load_scale"],
+                "model": sc["scenario"]["model"], "ranks": sc["scenario"]["ranks"],
+                "objective": sc["scenario"]["objective"], "lower_bound_gpus": sc["lower_bound_gpus"],
+                "aggregate_rate_rps": sc["workload"]["aggregate_rate_rps"], "methods": methods}
+        out.append(item)
+    return json_safe({"scenarios": out, "skipped": doc.get("skipped", []), "summary": acceptance(doc)})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# acceptance summary
+
+
+def _within_gap(g: int | None, lb: int) -> bool:
+    return g is not None and (g - lb <= GAP_GPUS or g <= lb * (1 + GAP_FRAC))
+
+
+def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
+    """The issue's acceptance figures for ``method`` over the scenarios that ran it."""
+    rows = [sc for sc in doc["scenarios"] if method in sc["methods"] and not sc["methods"][method].get("error")]
+    out: dict[str, Any] = {"method": method, "scenarios": len(rows)}
+    if not rows:
+        return out
+    planned = [sc for sc in rows if not sc["methods"][method].get("infeasible")]
+    bad = [sc["name"] for sc in planned
+           if (sc["methods"][method].get("starved_gpus") or 0) or (sc["methods"][method].get("oom_gpus") or 0)
+           or (sc["methods"][method].get("latency_violation_gpus") or 0)]
+    out["plans"] = len(planned)
+    out["infeasible"] = [sc["name"] for sc in rows if sc["methods"][method].get("infeasible")]
+    out["replay_not_clean"] = bad
+    small = [sc for sc in planned if sc["n_adapters"] <= GAP_MAX_N]
+    near = [sc for sc in small if _within_gap(sc["methods"][method].get("gpus_used"), sc["lower_bound_gpus"])]
+    out["near_lower_bound"] = {"within": len(near), "of": len(small),
+                               "fraction": len(near) / len(small) if small else None,
+                               "target": GAP_TARGET, "met": (len(near) / len(small) >= GAP_TARGET) if small else None,
+                               "misses": [sc["name"] for sc in small if sc not in near]}
+    more, ties, fewer = [], defaultdict(int), defaultdict(int)
+    for sc in planned:
+        g = sc["methods"][method].get("gpus_used")
+        for b in BASELINES:
+            r = sc["methods"].get(b)
+            if r is None or g is None:
+                continue
+            gb = r.get("gpus_used")
+            if gb is None:  # no replay-clean pool (or infeasible): the method wins
+                fewer[b] += 1
+            elif g > gb:
+                more.append({"scenario": sc["name"], "baseline": b, "gpus": g, "baseline_gpus": gb})
+            elif g == gb:
+                ties[b] += 1
+            else:
+                fewer[b] += 1
+    out["vs_baselines"] = {"more_gpus": more, "ties": dict(ties), "fewer": dict(fewer)}
+    savings: dict[str, Any] = {}
+    for b in ("dlora", "loraserve"):
+        pairs = []
+        for sc in rows:
+            mine, theirs = sc["methods"][method], sc["methods"].get(b)
+            if theirs is None:
+                continue
+            g, gb = mine.get("gpus_used_fixed_pool"), theirs.get("gpus_used_fixed_pool")
+            if g is not None and gb:
+                clean_b = (theirs.get("fixed_pool") or {}).get("replay_clean")
+                pairs.append((1.0 - g / gb, bool(clean_b)))
+        savings[b] = {"scenarios": len(pairs),
+                      "mean_saving": sum(s for s, _ in pairs) / len(pairs) if pairs else None,
+                      "baseline_replay_clean": sum(c for _, c in pairs), "paper": PAPER_SAVING}
+    out["fixed_pool_saving"] = savings
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _f(x: Any, digits: int = 1) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return "–" if not math.isfinite(x) else f"{x:,.{digits}f}"
+    return str(x)
+
+
+def _method_row(m: str, r: dict[str, Any]) -> list[str]:
+    if r.get("error"):
+        return [m, f"error: {r['error']}", *["–"] * (len(METHOD_COLUMNS) - 2)]
+    if r.get("infeasible"):
+        return [m, "infeasible", "–", "–", _f(r.get("gpus_used_fixed_pool")), "–", "–", "–", "–", "–", "–",
+                _f(r.get("placement_ms")), "–"]
+    g = r.get("gpus_used")
+    gtxt = _f(g) if g is not None else f"none ≤ {max((p['pool'] for p in r.get('search', [])), default='?')}"
+    fixed = r.get("fixed_pool") or {}
+    ftxt = _f(r.get("gpus_used_fixed_pool"))
+    if fixed.get("infeasible"):
+        ftxt = "infeasible"
+    elif "gpus_used" in fixed and not fixed.get("replay_clean", True):
+        ftxt += f" ({fixed.get('starved_gpus', 0)} st, {fixed.get('oom_gpus', 0)} oom)"
+    added = r.get("verification_added_gpus")
+    return [m, gtxt, _f(r.get("replay_clean")), _f(r.get("gap_gpus")), ftxt, _f(r.get("starved_gpus")),
+            _f(r.get("oom_gpus")), _f(r.get("latency_violation_gpus")), _f(r.get("throughput_tok_s"), 0),
+            _f(r.get("itl_mean_ms")), f"{_f(r.get('ttft_mean_s'), 2)} / {_f(r.get('ttft_p99_s'), 1)}",
+            _f(r.get("placement_ms"), 2), "–" if added is None else f"+{added}"]
+
+
+METHOD_COLUMNS = ("method", "GPUs (smallest, clean)", "clean", "gap", "GPUs fixed pool", "starved", "OOM",
+                  "latency viol.", "thr tok/s", "ITL ms", "TTFT mean / p99 s", "place ms", "verify")
+
+
+def _table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def summary_markdown(doc: dict[str, Any]) -> str:
+    """The acceptance summary as Markdown bullets."""
+    a = acceptance(doc)
+    if not a.get("scenarios"):
+        return f"No scenario ran `{PROPOSED}`."
+    near = a["near_lower_bound"]
+    lines = [f"- `{PROPOSED}` returned a plan in {a['plans']} of {a['scenarios']} scenarios"
+             + (f" (infeasible: {', '.join(a['infeasible'])})" if a["infeasible"] else "") + "."]
+    clean = ("0 starved, 0 refused GPUs and no latency violation in every one" if not a["replay_not_clean"]
+             else "not clean in " + ", ".join(a["replay_not_clean"]))
+    lines.append(f"- Replay of its plans: {clean}.")
+    if near["of"]:
+        lines.append(f"- Within {GAP_GPUS} GPU or {GAP_FRAC:.0%} of the lower bound on {near['within']} of "
+                     f"{near['of']} scenarios up to {GAP_MAX_N} adapters ({near['fraction']:.0%}; target "
+                     f"{GAP_TARGET:.0%}: {'met' if near['met'] else 'missed'})"
+                     + (f"; misses: {', '.join(near['misses'])}" if near["misses"] else "") + ".")
+    vs = a["vs_baselines"]
+    if vs["more_gpus"]:
+        worse = "; ".join(f"{x['scenario']} vs {x['baseline']} ({x['gpus']} > {x['baseline_gpus']})"
+                          for x in vs["more_gpus"])
+        lines.append(f"- Smallest pools: uses MORE GPUs than a baseline in {len(vs['more_gpus'])} case(s): {worse}.")
+    else:
+        lines.append("- Smallest pools: never more GPUs than any baseline.")
+    if vs["ties"] or vs["fewer"]:
+        lines.append("- Ties / fewer GPUs per baseline: " + ", ".join(
+            f"{b} {vs['ties'].get(b, 0)} / {vs['fewer'].get(b, 0)}" for b in BASELINES
+            if b in vs["ties"] or b in vs["fewer"]) + ".")
+    for b, s in a["fixed_pool_saving"].items():
+        if s["scenarios"]:
+            lines.append(f"- Fixed pool: mean GPU saving against `{b}` {s['mean_saving']:.0%} over {s['scenarios']} "
+                         f"scenarios (paper: {PAPER_SAVING:.0%}); `{b}`'s fixed-pool plan replayed clean in "
+                         f"{s['baseline_replay_clean']} of them.")
+    return "\n".join(lines)
+
+
+def scenario_markdown(sc: dict[str, Any]) -> str:
+    s, w = sc["scenario"], sc["workload"]
+    head = (f"### {sc['name']}\n\n{s['model']}, ranks {s['ranks']}, {s['n_adapters']} adapters "
+            f"({s['weights']}), load ×{s['load_scale']:g} of `{s['trace']}` = {w['aggregate_rate_rps']:.1f} req/s "
+            f"estimated ({w['offered_tok_s']:,.0f} tok/s), replay {w['replay_requests']:,} requests over "
+            f"{w['replay_window_s']:,.0f} s ({s['windows']['protocol']}); objective {s['objective']} "
+            f"({sc['objective_limits']}); lower bound **{sc['lower_bound_gpus']}** GPUs"
+            + (f"; fixed pool {s['fixed_pool']}" if s.get("fixed_pool") else "") + ".\n")
+    rows = [_method_row(m, r) for m, r in sc["methods"].items()]
+    out = head + "\n" + _table(METHOD_COLUMNS, rows) + "\n"
+    mp = sc.get("max_pack")
+    if mp:
+        out += "\nMax_pack (largest n not starved on one GPU) by --max-loras: " + ", ".join(
+            f"{a}: {_f(v)}" for a, v in mp.items()) + "\n"
+    return out
+
+
+def _lb(sc: dict[str, Any]) -> str:
+    """The bound with the N_max row, and the one without it in parentheses when it is lower."""
+    lb, free = sc["lower_bound_gpus"], sc.get("lower_bound_gpus_no_nmax", sc["lower_bound_gpus"])
+    return str(lb) if free == lb else f"{lb} ({free})"
+
+
+def compact_table(doc: dict[str, Any], methods: list[str] | None = None, key: str = "gpus_used") -> str:
+    """One row per scenario, one column per method (``key``), with the lower bound."""
+    scs = doc["scenarios"]
+    methods = methods or list(dict.fromkeys(m for sc in scs for m in sc["methods"]))
+    rows = []
+    for sc in scs:
+        s = sc["scenario"]
+        cells = [sc["name"], s["model"].split("-")[0], "/".join(map(str, s["ranks"])), str(s["n_adapters"]),
+                 f"×{s['load_scale']:g}", s["objective"], _lb(sc)]
+        for m in methods:
+            r = sc["methods"].get(m)
+            if r is None:
+                cells.append("")
+            elif r.get("infeasible") and key == "gpus_used":
+                cells.append("inf.")
+            else:
+                v = r.get(key)
+                if key == "gpus_used" and v is not None and not r.get("replay_clean", True):
+                    cells.append(f"{v}!")
+                elif key == "gpus_used" and v is None:
+                    cells.append("none")
+                else:
+                    cells.append(_f(v))
+        rows.append(cells)
+    return _table(["scenario", "model", "ranks", "N", "load", "objective", "LB", *methods], rows)
+
+
+def render_report(doc: dict[str, Any], figures: list[str] | None = None) -> str:
+    parts = ["# lorapack evaluate report\n",
+             f"{len(doc['scenarios'])} scenario(s) in {doc.get('wall_s', float('nan')):,.0f} s"
+             + (f" (budget {doc['budget_s']:g} s)" if doc.get("budget_s") else "") + ".\n",
+             "GPUs = smallest pool whose replay is clean (no refused GPU, none starved, every GPU within the "
+             "latency objective); a `!` marks a self-sizing method's plan that did not replay clean; `none` = "
+             "no clean pool found up to the search cap; `inf.` = the method declared the workload infeasible.\n",
+             "## Summary\n", summary_markdown(doc) + "\n", "## GPUs used\n", compact_table(doc) + "\n"]
+    if any(sc["scenario"].get("fixed_pool") for sc in doc["scenarios"]):
+        parts += ["## GPUs used on the fixed pool\n", compact_table(doc, key="gpus_used_fixed_pool") + "\n"]
+    if doc.get("skipped"):
+        parts.append("## Skipped (time budget)\n")
+        parts.append("\n".join(f"- {s['scenario']}: {s['what']}"
+                               + (f" ({', '.join(s['methods'])})" if s["methods"] else "") for s in doc["skipped"])
+                     + "\n")
+    if figures:
+        parts.append("## Figures\n")
+        parts += [f"![{Path(f).stem}]({f})\n" for f in figures]
+    parts.append("## Scenarios\n")
+    parts += [scenario_markdown(sc) for sc in doc["scenarios"]]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# figures
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")
+
+
+def _group_key(sc: dict[str, Any]) -> tuple:
+    s = sc["scenario"]
+    return (s["trace"], s["model"], tuple(s["ranks"]), s["load_scale"], s["weights"], s["objective"], s["seed"],
+            s["windows"]["protocol"])
+
+
+def plot_figures(doc: dict[str, Any], out_dir: Path) -> list[str]:
+    """GPUs vs adapters per scenario group (N varies) and every Max_pack curve; returns relative paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig_dir = out_dir / "figures"
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    written: list[str] = []
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for sc in doc["scenarios"]:
+        groups[_group_key(sc)].append(sc)
+    for key, scs in groups.items():
+        scs = sorted(scs, key=lambda s: s["n_adapters"])
+        trace, model, ranks, load, weights, objective, seed, proto = key
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        ns = [s["n_adapters"] for s in scs]
+        methods = list(dict.fromkeys(m for s in scs for m in s["methods"]))
+        for m in methods:
+            ys = [s["methods"].get(m, {}).get("gpus_used") for s in scs]
+            ax.plot(ns, [float("nan") if y is None else y for y in ys], marker="o", label=m)
+        ax.plot(ns, [s["lower_bound_gpus"] for s in scs], "k--", label="lower bound")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("adapters")
+        ax.set_ylabel("GPUs (smallest replay-clean pool)")
+        ax.set_title(f"{model}, ranks {'/'.join(map(str, ranks))}, ×{load:g} {trace}, {objective}", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        name = _slug(f"gpus-{model.split('-')[0]}-r{'-'.join(map(str, ranks))}-x{load:g}-{weights}-{objective}"
+                     f"-{trace}-s{seed}-{proto}") + ".png"
+        fig.tight_layout()
+        fig.savefig(fig_dir / name, dpi=110)
+        plt.close(fig)
+        written.append(f"figures/{name}")
+    for curve in doc.get("max_pack", []):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        incoming_drawn = False
+        for a, c in curve["by_slots"].items():
+            line, = ax.plot(c["n"], c["throughput_tok_s"], marker="o", label=f"--max-loras {a}")
+            bad = [(n, y) for n, y, st in zip(c["n"], c["throughput_tok_s"], c["starved"], strict=True) if st]
+            if bad:
+                ax.scatter(*zip(*bad, strict=True), marker="x", s=60, color=line.get_color())
+            if not incoming_drawn:
+                ax.plot(c["n"], c["incoming_tok_s"], "k--", label="incoming")
+                incoming_drawn = True
+        ax.set_xlabel("adapters on the GPU")
+        ax.set_ylabel("throughput tok/s")
+        mp = ", ".join(f"{a}: {_f(c['max_pack'])}" for a, c in curve["by_slots"].items())
+        ax.set_title(f"Max_pack — {curve['scenario']}\n(x = starved; Max_pack {mp})", fontsize=8)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        name = _slug(f"max_pack-{curve['scenario']}") + ".png"
+        fig.tight_layout()
+        fig.savefig(fig_dir / name, dpi=110)
+        plt.close(fig)
+        written.append(f"figures/{name}")
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------------
+# writing
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_results(doc: dict[str, Any], out_dir: Path) -> Path:
+    """``results.json`` (the full document, plans included when kept)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    _write_atomic(path, json.dumps(json_safe(doc), indent=1) + "\n")
+    return path
+
+
+def write_outputs(doc: dict[str, Any], out_dir: Path) -> dict[str, str]:
+    """results.json, report.md, figures/*.png, plans/<scenario>/<method>-<protocol>.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for sc in doc["scenarios"]:
+        for key, plan in (sc.get("plans") or {}).items():
+            method, protocol = key.split("/")
+            d = out_dir / "plans" / _slug(sc["name"])
+            d.mkdir(parents=True, exist_ok=True)
+            _write_atomic(d / f"{_slug(method)}-{protocol}.json", json.dumps(plan, indent=1) + "\n")
+    slim = {**doc, "scenarios": [{k: v for k, v in sc.items() if k != "plans"} for sc in doc["scenarios"]]}
+    results = write_results(slim, out_dir)
+    figures = plot_figures(slim, out_dir)
+    report = out_dir / "report.md"
+    _write_atomic(report, render_report(slim, figures))
+    return {"results": str(results), "report": str(report), "figures": str(out_dir / "figures")}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# study view (docs/evaluation.md): tables per model and objective, figures per model
+
+
+def _by(doc: dict[str, Any], *keys: str) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for sc in doc["scenarios"]:
+        groups[tuple(sc["scenario"][k] for k in keys)].append(sc)
+    return groups
+
+
+def study_markdown(doc: dict[str, Any], figures: list[str] | None = None) -> str:
+    """Acceptance summary per objective, GPU tables per model and objective, fixed-pool tables."""
+    parts = []
+    for (objective,), scs in _by(doc, "objective").items():
+        sub = {**doc, "scenarios": scs}
+        parts.append(f"### Summary, objective `{objective}`\n\n{summary_markdown(sub)}\n")
+    for (model, objective), scs in _by(doc, "model", "objective").items():
+        sub = {**doc, "scenarios": sorted(scs, key=lambda s: (s["scenario"]["ranks"], s["load_scale"],
+                                                                s["n_adapters"]))}
+        parts.append(f"### GPUs used (smallest replay-clean pool): {model}, objective `{objective}`\n\n"
+                     + compact_table(sub) + "\n")
+        if any(s["scenario"].get("fixed_pool") for s in scs):
+            fixed = {**sub, "scenarios": [s for s in sub["scenarios"]
+                                          if s["lower_bound_gpus"] <= (s["scenario"].get("fixed_pool") or 0)]}
+            parts.append(f"### GPUs used on the fixed pool of {scs[0]['scenario']['fixed_pool']}: {model}, "
+                         f"objective `{objective}` (scenarios whose lower bound fits)\n\n"
+                         + compact_table(fixed, key="gpus_used_fixed_pool") + "\n")
+    if figures:
+        parts.append("### Figures\n")
+        parts += [f"![{Path(f).stem}]({f})\n" for f in figures]
+    return "\n".join(parts)
+
+
+def study_figures(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[str]:
+    """Per model: GPUs vs adapters (rows: rank sets, columns: loads; default objective first) and the
+    Max_pack curves of the largest workloads. Returns the file names written into ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    curves = {c["scenario"]: c for c in doc.get("max_pack", [])}
+    for (model, objective), scs in _by(doc, "model", "objective").items():
+        ranks = sorted({tuple(s["scenario"]["ranks"]) for s in scs})
+        loads = sorted({s["load_scale"] for s in scs})
+        fig, axes = plt.subplots(len(ranks), len(loads), figsize=(4.2 * len(loads), 3.3 * len(ranks)),
+                                 squeeze=False)
+        methods = list(dict.fromkeys(m for s in scs for m in s["methods"]))
+        for i, rk in enumerate(ranks):
+            for j, k in enumerate(loads):
+                ax = axes[i][j]
+                cell = sorted((s for s in scs if tuple(s["scenario"]["ranks"]) == rk and s["load_scale"] == k),
+                              key=lambda s: s["n_adapters"])
+                ns = [s["n_adapters"] for s in cell]
+                for m in methods:
+                    ys = [s["methods"].get(m, {}).get("gpus_used") for s in cell]
+                    ax.plot(ns, [float("nan") if y is None else y for y in ys], marker="o", ms=3, label=m)
+                ax.plot(ns, [s["lower_bound_gpus"] for s in cell], "k--", label="lower bound")
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"ranks {'/'.join(map(str, rk))}, ×{k:g}", fontsize=9)
+                ax.grid(alpha=0.3)
+                if i == len(ranks) - 1:
+                    ax.set_xlabel("adapters")
+                if j == 0:
+                    ax.set_ylabel("GPUs")
+        axes[0][0].legend(fontsize=6)
+        fig.suptitle(f"{model}: GPUs of the smallest replay-clean pool, objective {objective}", fontsize=10)
+        fig.tight_layout()
+        name = _slug(f"{prefix}gpus-{model}-{objective}") + ".png"
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+    for (model,), scs in _by(doc, "model").items():
+        n_max = max(s["n_adapters"] for s in scs)
+        cells = [s for s in scs if s["n_adapters"] == n_max and s["name"] in curves]
+        if not cells:
+            continue
+        ranks = sorted({tuple(s["scenario"]["ranks"]) for s in cells})
+        loads = sorted({s["load_scale"] for s in cells})
+        fig, axes = plt.subplots(len(ranks), len(loads), figsize=(4.2 * len(loads), 3.3 * len(ranks)),
+                                 squeeze=False)
+        for s in cells:
+            ax = axes[ranks.index(tuple(s["scenario"]["ranks"]))][loads.index(s["load_scale"])]
+            c = curves[s["name"]]
+            first = True
+            for a, cv in c["by_slots"].items():
+                line, = ax.plot(cv["n"], cv["throughput_tok_s"], marker="o", ms=3, label=f"A {a}")
+                bad = [(n, y) for n, y, st in zip(cv["n"], cv["throughput_tok_s"], cv["starved"], strict=True) if st]
+                if bad:
+                    ax.scatter(*zip(*bad, strict=True), marker="x", s=30, color=line.get_color())
+                if first:
+                    ax.plot(cv["n"], cv["incoming_tok_s"], "k--", label="incoming")
+                    first = False
+            ax.set_title(f"ranks {'/'.join(map(str, s['scenario']['ranks']))}, ×{s['load_scale']:g}: Max_pack "
+                         + ", ".join(f"{a}:{_f(cv['max_pack'])}" for a, cv in c["by_slots"].items()), fontsize=7)
+            ax.grid(alpha=0.3)
+            ax.set_xlabel("adapters on one GPU")
+            ax.set_ylabel("tok/s")
+        axes[0][0].legend(fontsize=6)
+        fig.suptitle(f"{model}: single-GPU throughput vs adapters (first n of the {n_max}; x = starved)", fontsize=10)
+        fig.tight_layout()
+        name = _slug(f"{prefix}max_pack-{model}") + ".png"
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+    return written

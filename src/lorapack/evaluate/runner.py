@@ -1,0 +1,311 @@
+"""Run scenarios: derive the workload, place it with every method under both protocols, replay the plans.
+
+Per (scenario, method):
+
+* **smallest pool** — a method that opens GPUs itself (``proposed*``) is placed once on an unbounded pool;
+  its GPU count is its answer, replayed as is. A method that places onto a given number of GPUs starts from
+  the count its own search returns (``gpus = None``), then the evaluation finds the smallest pool whose
+  replay is *clean* (no GPU refused, none starved, every GPU within the latency objective): one pool smaller
+  if the start is clean (then bisection down to the lower bound), else doubling steps up to a cap and
+  bisection back. ``gpus_used`` is the GPUs that plan uses;
+* **fixed pool** — where the scenario has ``fixed_pool`` and the lower bound fits in it, every method is
+  placed on that pool (the paper's protocol) and replayed as is: ``gpus_used_fixed_pool`` is what it used.
+
+The derived workload and the GPU replay cache are shared by the scenarios of one workload (they differ only
+in objective or methods), so a baseline whose plans do not depend on the objective replays once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import LorapackError
+from ..placement.plan import Plan
+from ..profile import Profile
+from ..workload.derive import DerivedWorkload, DeriveOptions, derive_workload, profile_lengths
+from .methods import Bounds, Placer, PlaceRequest
+from .replay import FleetReplay, LatencyObjective, Mapper, Replayer
+from .scenario import Scenario
+
+NAN = float("nan")
+RESULTS_FORMAT = 1
+# per-method keys of the --json contract (issue 9); every method result carries them (None when unknown)
+CONTRACT_KEYS = ("gpus_used", "gpus_used_fixed_pool", "lower_bound_gpus", "starved_gpus", "oom_gpus",
+                 "throughput_tok_s", "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "placement_ms")
+
+
+def load_scenario_profile(sc: Scenario) -> Profile:
+    from ..profile import find_profile, load_profile_file
+
+    return load_profile_file(sc.profile_file) if sc.profile_file else find_profile(sc.model, sc.gpu)
+
+
+def derive_for(sc: Scenario, profile: Profile) -> DerivedWorkload:
+    from ..workload.trace import load_trace
+
+    cv = profile.runs_lengths.cv if profile.runs_lengths is not None else None
+    opts = DeriveOptions(n_adapters=sc.n_adapters, weights=sc.weights, load_scale=sc.load_scale,
+                         rank_set=sc.ranks, protocol=sc.protocol, trace_lengths=sc.trace_lengths,
+                         profile_lengths=profile_lengths(cv), split_s=sc.split_s, jitter_s=sc.jitter_s)
+    return derive_workload(load_trace(sc.trace_path), opts, sc.seed)
+
+
+@dataclass
+class Budget:
+    """Wall-time budget: work not started once it is spent is skipped and listed."""
+
+    seconds: float | None
+    t0: float = field(default_factory=time.perf_counter)
+    skipped: list[dict] = field(default_factory=list)
+
+    def spent(self) -> bool:
+        return self.seconds is not None and time.perf_counter() - self.t0 > self.seconds
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _metrics(rep: FleetReplay) -> dict[str, Any]:
+    s = rep.summary()
+    out = {k: s[k] for k in ("oom_gpus", "starved_gpus", "starved_adapters", "latency_violation_gpus",
+                             "replay_clean", "throughput_tok_s", "incoming_tok_s", "throughput_ratio",
+                             "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "ttft_penalised_s")}
+    out["per_gpu"] = [{k: g[k] for k in PER_GPU_KEYS} for g in rep.per_gpu()]
+    return out
+
+
+def _verification_added(plan: Plan) -> int | None:
+    added = getattr(plan, "verification", {}).get("gpus_added")
+    return None if added is None else int(added)
+
+
+@dataclass
+class Context:
+    """What the methods of one workload share."""
+
+    profile: Profile
+    derived: DerivedWorkload
+    replayer: Replayer
+    bounds: Bounds
+    plans: dict[str, Plan] = field(default_factory=dict)  # kept for --out (key: scenario/method/protocol)
+
+
+def _place(placer: Placer, ctx: Context, sc: Scenario, method: str, gpus: int | None) -> Plan:
+    req = PlaceRequest(method=method, gpus=gpus, objective=sc.objective,
+                       limits=_limits(sc), headroom=sc.headroom, verify=sc.verify, seed=sc.seed,
+                       split_hot=sc.split_hot)
+    return placer.place(ctx.derived.workload(), ctx.profile, req)
+
+
+def _limits(sc: Scenario) -> LatencyObjective | None:
+    lim = sc.objective_limits
+    if lim is None:
+        return None
+    return LatencyObjective(max_ttft_s=lim.max_ttft_s, max_ttft_p99_s=lim.max_ttft_p99_s,
+                            max_itl_ms=lim.max_itl_ms, max_itl_p99_ms=lim.max_itl_p99_ms)
+
+
+def search_cap(lower_bound: int, start: int, n_adapters: int) -> int:
+    """Largest pool the smallest-pool search tries."""
+    return max(start, min(n_adapters, max(4 * max(lower_bound, 1), lower_bound + 16, 2 * start)))
+
+
+def smallest_clean_pool(place: Callable[[int], Plan], replay: Callable[[Plan], FleetReplay], start: int,
+                        lower: int, cap: int) -> tuple[int | None, list[dict]]:
+    """The smallest pool size whose plan replays clean (assumed monotone in the pool), and the probes.
+
+    ``place(G)`` places on G GPUs, ``replay(plan)`` judges it. Returns ``(None, probes)`` when no pool up to
+    ``cap`` is clean or the method declares every tried pool infeasible.
+    """
+    probes: list[dict] = []
+    seen: dict[int, bool] = {}
+
+    def clean(g: int) -> bool:
+        if g not in seen:
+            plan = place(g)
+            ok = (not plan.infeasible) and replay(plan).clean
+            seen[g] = ok
+            probes.append({"pool": g, "gpus_used": plan.gpus_used, "infeasible": plan.infeasible, "clean": ok})
+        return seen[g]
+
+    lower = max(1, lower)
+    start = max(lower, start)
+    if clean(start):
+        if start == lower or not clean(start - 1):
+            return start, probes
+        lo, hi = lower - 1, start - 1  # invariant: hi clean, lo not clean (or below the range)
+    else:
+        lo, step, hi = start, 1, None
+        while lo < cap:
+            g = min(cap, lo + step)
+            if clean(g):
+                hi = g
+                break
+            lo, step = g, step * 2
+        if hi is None:
+            return None, probes
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if mid >= lower and clean(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi, probes
+
+
+def run_method(placer: Placer, ctx: Context, sc: Scenario, method: str, objective: LatencyObjective
+               ) -> dict[str, Any]:
+    """Both protocols for one method (see the module docstring)."""
+    def replay(plan: Plan) -> FleetReplay:
+        return ctx.replayer.replay(plan, objective)
+
+    lb = placer.method_bound(method, ctx.bounds)
+    out: dict[str, Any] = {"lower_bound_gpus": lb}
+    own = _place(placer, ctx, sc, method, None)
+    ctx.plans[f"{method}/smallest"] = own
+    out["self_gpus"] = None if own.infeasible else own.gpus_used
+    out["verification_added_gpus"] = _verification_added(own)
+    if own.infeasible:
+        out.update(infeasible=True, reason=own.reason, gpus_used=None, placement_ms=own.placement_ms,
+                   **{k: None for k in ("oom_gpus", "starved_gpus", "throughput_tok_s", "itl_mean_ms",
+                                        "ttft_mean_s", "ttft_p99_s")})
+    else:
+        final = own
+        probes: list[dict] = []
+        if not placer.sizes_itself(method):
+            # raw runs on each pool size (the plan at placement's own size is the same assignment, but its
+            # placement_ms includes placement's search): placement time = one run of the method, as published
+            out["search_ms"] = own.placement_ms
+            cache: dict[int, Plan] = {}
+
+            def place(g: int) -> Plan:
+                if g not in cache:
+                    cache[g] = _place(placer, ctx, sc, method, g)
+                return cache[g]
+
+            best, probes = smallest_clean_pool(place, replay, own.gpus_used, lb,
+                                               search_cap(lb, own.gpus_used, sc.n_adapters))
+            if best is not None:
+                final = cache[best]
+                ctx.plans[f"{method}/smallest"] = final
+            else:
+                out["no_clean_pool"] = True
+        rep = replay(final)
+        out.update(gpus_used=final.gpus_used if (rep.clean or placer.sizes_itself(method)) else None,
+                   plan_gpus=final.gpus_used, placement_ms=final.placement_ms,
+                   verification_ms=final.verification_ms, search=probes, **_metrics(rep))
+        out["gap_gpus"] = (out["gpus_used"] - lb) if out["gpus_used"] is not None else None
+    out["gpus_used_fixed_pool"] = None
+    if sc.fixed_pool is not None:
+        if ctx.bounds.gpus > sc.fixed_pool:  # one rule for every method: the bound with the N_max row
+            out["fixed_pool"] = {"skipped": f"lower bound {ctx.bounds.gpus} > pool {sc.fixed_pool}"}
+        else:
+            plan = _place(placer, ctx, sc, method, sc.fixed_pool)
+            ctx.plans[f"{method}/fixed"] = plan
+            fixed: dict[str, Any] = {"pool": sc.fixed_pool, "infeasible": plan.infeasible,
+                                     "placement_ms": plan.placement_ms}
+            if plan.infeasible:
+                fixed["reason"] = plan.reason
+            else:
+                fixed["gpus_used"] = plan.gpus_used
+                fixed.update(_metrics(replay(plan)))
+                out["gpus_used_fixed_pool"] = plan.gpus_used
+            out["fixed_pool"] = fixed
+    return out
+
+
+def _num(x: Any) -> Any:
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+PER_GPU_KEYS = ("n_adapters", "max_loras", "max_lora_rank", "n_requests", "oom", "starved", "throughput_tok_s",
+                "incoming_tok_s", "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "starved_adapters",
+                "latency_violations")
+ProgressFn = Callable[[str, int], None]  # (what runs now, units of scenario x method just finished)
+
+
+def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple[str, ...] | None = None,
+                       budget_s: float | None = None, mapper: Mapper | None = None,
+                       on_step: ProgressFn | None = None, on_scenario: Callable[[dict], None] | None = None,
+                       keep_plans: bool = False) -> dict[str, Any]:
+    """Every scenario × method (``methods`` overrides the files' lists). Returns the results document."""
+    from .maxpack import max_pack_curve
+
+    budget = Budget(budget_s)
+    results: list[dict] = []
+    max_packs: list[dict] = []
+    contexts: dict[tuple, Context] = {}
+    all_methods = placer.methods()
+    for sc in scenarios:
+        meths = methods or sc.methods or all_methods
+        if budget.spent():
+            budget.skipped.append({"scenario": sc.name, "methods": list(meths), "what": "scenario"})
+            if on_step:
+                on_step(f"skipped {sc.name}", len(meths))
+            continue
+        key = sc.workload_key()
+        t0 = time.perf_counter()
+        ctx = contexts.get(key)
+        first_of_workload = ctx is None
+        if ctx is None:
+            profile = load_scenario_profile(sc)
+            derived = derive_for(sc, profile)
+            ctx = Context(profile=profile, derived=derived,
+                          replayer=Replayer(profile, derived, sc.replay_seed, mapper),
+                          bounds=placer.lower_bound(derived.workload(), profile, sc.headroom))
+            contexts = {key: ctx}  # one workload's cache at a time: scenarios of a workload are adjacent
+        ctx.plans = {}
+        objective = placer.objective(sc.objective, _limits(sc))
+        d = ctx.derived
+        entry: dict[str, Any] = {
+            "name": sc.name, "n_adapters": sc.n_adapters, "load_scale": sc.load_scale,
+            "scenario": sc.as_dict(), "objective_limits": objective.describe(),
+            "workload": {
+                "aggregate_rate_rps": d.aggregate_rate_rps, "replay_rate_rps": d.replay_rate_rps,
+                "estimation_window_s": d.estimation_window_s, "replay_window_s": d.replay_window_s,
+                "replay_requests": len(d.replay), "mean_input_tokens": d.mean_input_tokens,
+                "mean_output_tokens": d.mean_output_tokens, "max_rate_rps": float(d.rates_rps.max()),
+                "offered_tok_s": d.aggregate_rate_rps * (d.mean_input_tokens + d.mean_output_tokens)},
+            "lower_bound_gpus": ctx.bounds.gpus, "lower_bound_gpus_no_nmax": ctx.bounds.gpus_no_nmax,
+            "methods": {},
+        }
+        for m in meths:
+            if budget.spent():
+                budget.skipped.append({"scenario": sc.name, "methods": [m], "what": "method"})
+                if on_step:
+                    on_step(f"skipped {sc.name}: {m}", 1)
+                continue
+            if on_step:
+                on_step(f"{sc.name}: {m}", 0)
+            tm = time.perf_counter()
+            try:
+                res = run_method(placer, ctx, sc, m, objective)
+            except LorapackError as exc:  # e.g. no learned models for this profile: report, go on
+                res = {"error": str(exc), **dict.fromkeys(CONTRACT_KEYS)}
+            res["wall_s"] = time.perf_counter() - tm
+            entry["methods"][m] = res
+            if on_step:
+                on_step(f"{sc.name}: {m}", 1)
+        if sc.max_pack and first_of_workload:
+            if budget.spent():
+                budget.skipped.append({"scenario": sc.name, "methods": [], "what": "max_pack"})
+            else:
+                if on_step:
+                    on_step(f"{sc.name}: Max_pack curve", 0)
+                curve = max_pack_curve(ctx.replayer, ctx.profile)
+                curve["scenario"] = sc.name
+                max_packs.append(curve)
+                entry["max_pack"] = {str(a): c["max_pack"] for a, c in curve["by_slots"].items()}
+        entry["wall_s"] = time.perf_counter() - t0
+        entry["replayed_gpus"] = ctx.replayer.simulated
+        if keep_plans:
+            entry["plans"] = {k: p.to_dict() for k, p in ctx.plans.items()}
+        results.append(entry)
+        if on_scenario:
+            on_scenario(entry)
+    return {"format": RESULTS_FORMAT, "scenarios": results, "max_pack": max_packs,
+            "skipped": budget.skipped, "budget_s": budget_s, "wall_s": budget.elapsed_s()}

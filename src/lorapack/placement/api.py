@@ -1,0 +1,478 @@
+"""``place()``: one call from adapters to a verified plan, for every method (the API ``lorapack place`` and
+``lorapack evaluate`` use).
+
+Order of work: validate the adapters (``Instance``) -> lower bound (and hot adapters: report, or split with
+``split_hot``) -> the method (timed: ``placement_ms``) -> twin verification and repair (timed:
+``verification_ms``) -> ``Plan``. A method that cannot place the workload returns a plan with
+``infeasible=True`` and the reason; bad input raises ``SpecError`` before any work.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SpecError
+from ..oracle import Oracle, Prediction, default_slot_rank
+from ..profile import Profile
+from .baselines import (
+    Assignment,
+    dlora,
+    least_adapters,
+    loraserve,
+    loraserve_min_gpus,
+    proposed_lat,
+    round_robin,
+    shares_of,
+)
+from .bound import CapacityFn, LowerBound, lower_bound, twin_capacity
+from .greedy import N_MAX, GpuFill, GreedyOptions, Infeasible, balanced_plan, greedy_fill, rebalance
+from .oracles import ParallelTwinOracle, default_workers, exact_oracle, learned_oracle
+from .plan import GpuMetrics, GpuPlan, Plan
+from .problem import DEFAULT_HEADROOM, Instance, Objective, instance_from_workload, split_entries
+from .verify import RepairLog, Verdict, repair
+
+GREEDY_METHODS = ("proposed", "proposed-fast", "proposed-exact")
+POOL_METHODS = ("proposed-lat", "dlora", "loraserve", "least-adapters", "round-robin")
+METHODS = GREEDY_METHODS + POOL_METHODS
+# which oracle a method asks: learned models (kind for lorapack.surrogate.load_oracle) or the twin
+METHOD_ORACLE = {"proposed": "surrogate", "proposed-fast": "tree", "proposed-exact": "twin",
+                 "proposed-lat": "surrogate"}
+# methods that keep at most N_max adapters per GPU; the others are compared with the bound without that row
+NMAX_METHODS = GREEDY_METHODS
+DEFAULT_VERIFY_SEEDS = 3
+VERIFY_DURATION_S = 3600.0
+# --split-hot: replicas carry at most this fraction of the capacity K(S) each (room to share a GPU)
+SPLIT_TARGET = 0.5
+MAX_SPLIT_ROUNDS = 6
+
+Progress = Callable[[str], None]
+
+
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise SpecError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
+    return method
+
+
+@dataclass
+class Context:
+    """Everything a method run needs; oracles are built on first use (a learned one may not exist)."""
+
+    profile: Profile
+    objective: Objective
+    seed: int = 0
+    workers: int = 1
+    models_dir: Path | None = None
+    oracle: Oracle | None = None  # overrides the method's own oracle
+    search_oracle: Oracle | None = None  # validates G in the smallest-pool search, picks round-robin's A
+    verify_oracle: Oracle | None = None
+    capacity: CapacityFn | None = None
+    options: GreedyOptions = field(default_factory=GreedyOptions)
+    progress: Progress | None = None
+    _cache: dict = field(default_factory=dict)
+
+    def say(self, msg: str) -> None:
+        if self.progress is not None:
+            self.progress(msg)
+
+    def method_oracle(self, method: str) -> Oracle:
+        if self.oracle is not None:
+            return self.oracle
+        kind = METHOD_ORACLE[method]
+        if kind == "twin":
+            return self.twin()
+        if kind not in self._cache:
+            self._cache[kind] = learned_oracle(self.profile, kind, self.models_dir)
+        return self._cache[kind]
+
+    def twin(self) -> Oracle:
+        """The twin at ``proposed-exact``'s settings (shared: its cache serves the search and repair too)."""
+        if self.search_oracle is not None:
+            return self.search_oracle
+        if "twin" not in self._cache:
+            self._cache["twin"] = exact_oracle(seed=self.seed, workers=self.workers)
+        return self._cache["twin"]
+
+    def verifier(self, seeds: int) -> Oracle:
+        if self.verify_oracle is not None:
+            return self.verify_oracle
+        return ParallelTwinOracle(seeds=tuple(self.seed + 1000 + i for i in range(seeds)),
+                                  duration_s=VERIFY_DURATION_S, early_stop=False, workers=self.workers,
+                                  name="twin-verify")
+
+    def cap(self, inst: Instance) -> CapacityFn:
+        if self.capacity is None:
+            self.capacity = twin_capacity(self.profile, inst.mean_input_tokens, inst.mean_output_tokens)
+        return self.capacity
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the methods on a fixed pool, and the smallest-pool search
+
+
+def assign(method: str, inst: Instance, ctx: Context, gpus: int) -> Assignment:
+    """One run of a pool method on ``gpus`` GPUs (no verification)."""
+    if method == "proposed-lat":
+        return proposed_lat(inst, ctx.profile, gpus, ctx.method_oracle(method), ctx.objective)
+    if method == "dlora":
+        return dlora(inst, ctx.profile, gpus)
+    if method == "loraserve":
+        return loraserve(inst, gpus, _op(inst, ctx))
+    if method == "least-adapters":
+        return least_adapters(inst, gpus)
+    if method == "round-robin":
+        return round_robin(inst, ctx.profile, gpus, ctx.twin(), ctx.objective, ctx.options)
+    raise SpecError(f"{method} opens GPUs itself; it is not a fixed-pool method")
+
+
+def _op(inst: Instance, ctx: Context) -> dict[int, float]:
+    """LoRAServe's operating point per slot rank: the twin's saturated throughput C(S) of the bound."""
+    cap = ctx.cap(inst)
+    return {s: cap(s) for s in sorted({default_slot_rank(int(r)) for r in inst.ranks})}
+
+
+def bisect_smallest(feasible: Callable[[int], bool], lo: int, hi: int) -> tuple[int | None, list[tuple[int, bool]]]:
+    """Smallest G in [lo, hi] with ``feasible(G)``, assuming feasibility is monotone in G: galloping up from
+    ``lo`` (lo, lo+1, lo+3, lo+7, ...) to the first feasible G, then bisection below it. Returns
+    ``(G or None, probes)``."""
+    probes: list[tuple[int, bool]] = []
+    memo: dict[int, bool] = {}
+
+    def test(g: int) -> bool:
+        if g not in memo:
+            memo[g] = bool(feasible(g))
+            probes.append((g, memo[g]))
+        return memo[g]
+
+    lo = max(1, lo)
+    if hi < lo:
+        return None, probes
+    bad, step, g = lo - 1, 1, lo
+    while not test(g):
+        bad = g
+        if g >= hi:
+            return None, probes
+        g = min(g + step, hi)
+        step *= 2
+    good = g
+    while good - bad > 1:
+        mid = (good + bad) // 2
+        if test(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, probes
+
+
+def gpus_pass(inst: Instance, ctx: Context, a: Assignment, oracle: Oracle) -> bool:
+    """Every GPU of the assignment meets the objective according to ``oracle`` (one batch)."""
+    from .verify import fill_candidate
+
+    preds = oracle.predict([fill_candidate(inst, ctx.profile, f) for f in a.gpus])
+    for f, p in zip(a.gpus, preds, strict=True):
+        f.prediction = p
+    return all(ctx.objective.check(p) is None for p in preds)
+
+
+def smallest_pool(method: str, inst: Instance, ctx: Context, lo: int, hi: int | None = None,
+                  validate: bool = True) -> tuple[int | None, Assignment | None, dict]:
+    """§4.8's minimum-G search by bisection: the smallest G the method accepts and (``validate``) whose GPUs
+    all meet the objective in the twin's opinion (``ctx.twin()``: one seed, early termination)."""
+    if method == "loraserve":
+        lo = max(lo, loraserve_min_gpus(inst, _op(inst, ctx)))
+    hi = hi if hi is not None else lo + max(inst.n, 8)
+    last: dict[int, Assignment] = {}
+
+    def feasible(g: int) -> bool:
+        ctx.say(f"{method}: trying {g} GPU{'s' if g != 1 else ''}")
+        a = assign(method, inst, ctx, g)
+        last[g] = a
+        if not a.accepted:
+            a.extra["validated"] = False
+            return False
+        ok = True
+        if validate and method != "round-robin":  # round-robin's accept is already the twin's opinion
+            ok = gpus_pass(inst, ctx, a, ctx.twin())
+        a.extra["validated"] = ok
+        return ok
+
+    g, probes = bisect_smallest(feasible, lo, hi)
+    info = {"probes": [{"gpus": p, "feasible": ok, "accepted": last[p].accepted} for p, ok in probes],
+            "self_accepted_gpus": min((p for p, _ in probes if last[p].accepted), default=None),
+            "validated_gpus": g, "validate": validate}
+    return g, (last[g] if g is not None else None), info
+
+
+# ---------------------------------------------------------------------------------------------------------
+# place()
+
+
+def _hot_split(inst: Instance, bound: LowerBound) -> dict[int, int]:
+    """Replicas per entry for ``--split-hot``: entries above SPLIT_TARGET x K(S) get ceil(d / (target K))."""
+    out = {}
+    for i, (d, r) in enumerate(zip(inst.demand_tok_s, inst.ranks, strict=True)):
+        k_s = max(v for s, v in bound.capacity_tok_s.items() if s >= default_slot_rank(int(r)))
+        k = math.ceil(float(d) / (SPLIT_TARGET * k_s))
+        if k > 1:
+            out[i] = k
+    return out
+
+
+def _normalise(inst: Instance, fills: list[GpuFill]) -> list[GpuFill]:
+    """Merge entries of the same adapter on one GPU (replicas that met) into its first entry."""
+    out = []
+    for f in fills:
+        shares = shares_of(f)
+        first: dict[str, int] = {}
+        entries: list[int] = []
+        new_sh: list[float] = []
+        for e, s in zip(f.entries, shares, strict=True):
+            a = inst.adapter_ids[e]
+            if a in first:
+                j = first[a]
+                new_sh[j] += s * inst.rates_rps[e] / inst.rates_rps[entries[j]]
+            else:
+                first[a] = len(entries)
+                entries.append(e)
+                new_sh.append(s)
+        if len(entries) != len(f.entries) or "shares" in f.extra:
+            f = replace(f, entries=entries, extra={**f.extra, "shares": new_sh},
+                        max_loras=min(f.max_loras, len(entries)))
+            if all(abs(s - 1.0) < 1e-12 for s in new_sh):
+                f.extra.pop("shares")
+        out.append(f)
+    return out
+
+
+def _metrics(p: Prediction | None, inst: Instance, entries: list[int], verdict: Verdict | None = None
+             ) -> GpuMetrics | None:
+    if p is None:
+        return None
+    per_seed = []
+    for r in p.extra.get("runs") or []:
+        per_seed.append({k: r.get(k) for k in ("throughput_tok_s", "incoming_tok_s", "starved", "adapter_starved",
+                                               "ttft_mean_ms", "ttft_p99_ms", "itl_mean_ms", "itl_p99_ms",
+                                               "stop_reason")})
+    starved_ids = sorted({inst.adapter_ids[e] for e in (verdict.starved_entries if verdict else [])} |
+                         {inst.adapter_ids[entries[i]] for i in p.starved_adapters if i < len(entries)})
+    return GpuMetrics(throughput_tok_s=p.throughput_tok_s, incoming_tok_s=p.incoming_tok_s, itl_ms=p.itl_ms,
+                      ttft_s=p.ttft_s, ttft_p99_s=p.ttft_p99_s, itl_p99_ms=p.itl_p99_ms, starved=p.starved,
+                      starved_adapters=starved_ids, fits=p.fits, seeds=p.seeds, per_seed=per_seed,
+                      passed=None if verdict is None else verdict.passed,
+                      detail="" if verdict is None else verdict.detail)
+
+
+def build_plan(method: str, inst: Instance, profile: Profile, fills: list[GpuFill],
+               verdicts: list[Verdict] | None = None) -> Plan:
+    gpus = []
+    for gi, f in enumerate(fills):
+        shares = shares_of(f)
+        idx = np.asarray(f.entries, dtype=np.int64)
+        rates = inst.rates_rps[idx] * np.asarray(shares)
+        a = max(1, min(int(f.max_loras), len(f.entries)))
+        v = verdicts[gi] if verdicts is not None else None
+        binding = f.binding
+        if v is not None and not v.passed:
+            binding = v.reason
+        gpus.append(GpuPlan(
+            adapters=[inst.adapter_ids[e] for e in f.entries],
+            weights=[float(inst.weights[e] * s) for e, s in zip(f.entries, shares, strict=True)],
+            max_loras=a, max_lora_rank=default_slot_rank(int(inst.ranks[idx].max())),
+            max_cpu_loras=max(len(f.entries), a), max_num_seqs=profile.max_num_seqs,
+            max_num_batched_tokens=profile.max_num_batched_tokens, max_model_len=profile.max_model_len,
+            incoming_tok_s=float(rates.sum()) * inst.tokens_per_request,
+            predicted=None if v is not None and f.prediction is v.prediction else _metrics(f.prediction, inst, f.entries),
+            verified=_metrics(v.prediction, inst, f.entries, v) if v is not None else None,
+            binding=binding))
+    return Plan(method=method, model=profile.model, gpu_type=profile.gpu, gpus=gpus)
+
+
+def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | None = None,
+          objective: Objective | None = None, headroom: float = DEFAULT_HEADROOM, verify: bool = True,
+          verify_seeds: int = DEFAULT_VERIFY_SEEDS, seed: int = 0, split_hot: bool = False, n_max: int = N_MAX,
+          models_dir: Path | None = None, oracle: Oracle | None = None, search_oracle: Oracle | None = None,
+          verify_oracle: Oracle | None = None, capacity: CapacityFn | None = None, validate_search: bool = True,
+          workers: int | None = None, mean_input_tokens: float | None = None,
+          mean_output_tokens: float | None = None, progress: Progress | None = None) -> Plan:
+    """Place ``adapters`` (an ``Instance``, or a ``lorapack.spec.Workload``) with ``method``.
+
+    ``gpus``: the pool (None = as many as needed: the greedy opens GPUs, pool methods run the smallest-pool
+    search). ``objective``: default ``Objective()`` (mean TTFT <= 2 s, not starved). ``headroom``: rates are
+    planned x (1 + headroom) (ignored for an ``Instance``, which carries its own). ``verify``: twin
+    verification (``verify_seeds`` seeds, full hour) and repair. ``oracle`` overrides the method's oracle,
+    ``search_oracle`` the twin used by the search / round-robin / repair probes, ``verify_oracle`` the
+    verifier and ``capacity`` the bound's ``C(S)`` (toy oracles in tests). Deterministic for a given seed.
+    """
+    check_method(method)
+    objective = objective if objective is not None else Objective()
+    if gpus is not None and (isinstance(gpus, bool) or int(gpus) != gpus or gpus < 1):
+        raise SpecError(f"--gpus {gpus}: expected a positive integer")
+    if not isinstance(verify_seeds, int) or verify_seeds < 1:
+        raise SpecError(f"verify_seeds {verify_seeds}: expected a positive integer")
+    if isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1:
+        raise SpecError(f"n_max {n_max}: expected a positive integer")
+    inst = adapters if isinstance(adapters, Instance) else instance_from_workload(
+        adapters, headroom=headroom, mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens)
+    ctx = Context(profile=profile, objective=objective, seed=int(seed),
+                  workers=default_workers() if workers is None else int(workers), models_dir=models_dir,
+                  oracle=oracle, search_oracle=search_oracle, verify_oracle=verify_oracle, capacity=capacity,
+                  options=GreedyOptions(n_max=n_max), progress=progress)
+    settings = {"objective": objective.to_dict(), "headroom": inst.headroom, "seed": int(seed), "pool": gpus,
+                "verify": verify, "verify_seeds": verify_seeds if verify else 0, "n_max": n_max,
+                "split_hot": split_hot, "mean_input_tokens": inst.mean_input_tokens,
+                "mean_output_tokens": inst.mean_output_tokens,
+                "oracle": getattr(oracle, "name", None) or METHOD_ORACLE.get(method, "none")}
+
+    ctx.say("lower bound")
+    bound = lower_bound(inst, profile, n_max=n_max, capacity=ctx.cap(inst))
+    diagnostics: dict = {}
+    if bound.hot_adapters and not split_hot:
+        return _infeasible(method, profile, settings, bound, diagnostics,
+                           _hot_message(bound, inst), hot=bound.hot_adapters)
+    if split_hot:
+        reps = _hot_split(inst, bound)
+        if reps:
+            diagnostics["split"] = {inst.adapter_ids[i]: k for i, k in reps.items()}
+            inst = split_entries(inst, reps)
+            bound = lower_bound(inst, profile, n_max=n_max, capacity=ctx.cap(inst))
+
+    t0 = time.perf_counter()
+    try:
+        fills, info, inst = _run(method, inst, ctx, gpus, bound, split_hot, diagnostics)
+    except Infeasible as e:
+        settings["gpus_needed"] = e.gpus_needed
+        return _infeasible(method, profile, settings, bound, diagnostics, str(e), hot=e.hot,
+                           placement_ms=(time.perf_counter() - t0) * 1e3)
+    placement_ms = (time.perf_counter() - t0) * 1e3
+    diagnostics.update(info)
+    fills = _normalise(inst, fills)
+
+    verdicts = None
+    verification: dict = {}
+    verification_ms = math.nan
+    if verify:
+        t1 = time.perf_counter()
+        ctx.say(f"verifying {len(fills)} GPUs ({verify_seeds} seeds x {VERIFY_DURATION_S:.0f} s)")
+        verifier = ctx.verifier(verify_seeds)
+        before = len(fills)
+        try:
+            fills, verdicts, log = repair(inst, profile, fills, objective, verifier, ctx.twin(), pool=gpus,
+                                          options=ctx.options,
+                                          on_round=lambda r, n: ctx.say(f"repairing {n} GPU(s), round {r}"))
+        except Infeasible as e:
+            settings["gpus_needed"] = e.gpus_needed
+            return _infeasible(method, profile, settings, bound, diagnostics, str(e), hot=e.hot,
+                               placement_ms=placement_ms, verification_ms=(time.perf_counter() - t1) * 1e3)
+        fills = _normalise(inst, fills)
+        verification_ms = (time.perf_counter() - t1) * 1e3
+        verification = _verification_dict(verifier, verify_seeds, before, fills, verdicts, log)
+
+    plan = build_plan(method, inst, profile, fills, verdicts)
+    plan.placement_ms = placement_ms
+    plan.verification_ms = verification_ms
+    plan.lower_bound_gpus = bound.gpus if method in NMAX_METHODS else bound.gpus_no_nmax
+    plan.lower_bound = bound.to_dict()
+    plan.settings = settings
+    plan.verification = verification
+    plan.diagnostics = diagnostics
+    return plan
+
+
+def _hot_message(bound: LowerBound, inst: Instance) -> str:
+    d: dict[str, float] = {}
+    for a, x in zip(inst.adapter_ids, inst.demand_tok_s, strict=True):
+        d[a] = d.get(a, 0.0) + float(x)
+    names = ", ".join(f"'{a}' ({d[a]:,.0f} tok/s)" for a in bound.hot_adapters[:3])
+    more = f" and {len(bound.hot_adapters) - 3} more" if len(bound.hot_adapters) > 3 else ""
+    k = max(bound.capacity_tok_s.values())
+    return (f"adapter(s) {names}{more} demand more than one GPU can serve (at most {k:,.0f} tok/s); "
+            f"split them over several GPUs with --split-hot")
+
+
+def _infeasible(method: str, profile: Profile, settings: dict, bound: LowerBound, diagnostics: dict, reason: str,
+                hot=(), placement_ms: float = math.nan, verification_ms: float = math.nan) -> Plan:
+    return Plan(method=method, model=profile.model, gpu_type=profile.gpu, gpus=[], infeasible=True, reason=reason,
+                lower_bound_gpus=bound.gpus if method in NMAX_METHODS else bound.gpus_no_nmax,
+                lower_bound=bound.to_dict(), settings=settings,
+                diagnostics={**diagnostics, "hot_adapters": list(hot)}, placement_ms=placement_ms,
+                verification_ms=verification_ms)
+
+
+def _verification_dict(verifier: Oracle, seeds: int, before: int, fills: list[GpuFill], verdicts: list[Verdict],
+                       log: RepairLog) -> dict:
+    return {"seeds": list(getattr(verifier, "seeds", ())) or seeds,
+            "duration_s": getattr(verifier, "duration_s", VERIFY_DURATION_S),
+            "passed": all(v.passed for v in verdicts), "gpus_before": before, "gpus_after": len(fills),
+            "gpus_added": len(fills) - before, "repair_rounds": log.rounds, "gpus_cut": log.cut_gpus,
+            "moved_adapters": log.moved_entries, "max_loras_lowered": log.max_loras_lowered,
+            "events": log.events[:50], "simulations": getattr(verifier, "n_simulations", None)}
+
+
+def _needed(inst: Instance, ctx: Context, oracle: Oracle, pool: int) -> int:
+    """GPUs the greedy needs without a pool cap (for the "needs at least X GPUs" message)."""
+    try:
+        fills = greedy_fill(inst, ctx.profile, oracle, ctx.objective, options=ctx.options)
+    except Infeasible:
+        return pool + 1
+    fills, _ = rebalance(inst, ctx.profile, oracle, ctx.objective, fills, ctx.options, min_gpus=pool + 1)
+    return len(fills)
+
+
+def _run(method: str, inst: Instance, ctx: Context, gpus: int | None, bound: LowerBound, split_hot: bool,
+         diagnostics: dict) -> tuple[list[GpuFill], dict, Instance]:
+    """The method itself (timed by the caller)."""
+    info: dict = {}
+    if method in GREEDY_METHODS:
+        oracle = ctx.method_oracle(method)
+        origin = "greedy"
+        for attempt in range(MAX_SPLIT_ROUNDS + 1):
+            stats: dict = {}
+            try:
+                ctx.say(f"{method}: filling GPUs")
+                fills = greedy_fill(inst, ctx.profile, oracle, ctx.objective, pool=gpus, options=ctx.options,
+                                    stats=stats)
+                break
+            except Infeasible as e:
+                if gpus is not None and e.gpus_needed is not None:
+                    # pool exhausted: a balanced plan on the whole pool may still fit
+                    found = balanced_plan(inst, ctx.profile, oracle, ctx.objective, gpus, ctx.options)
+                    if found is None:
+                        need = _needed(inst, ctx, oracle, gpus)
+                        raise Infeasible(f"{method} needs at least {need} GPUs, {gpus} given ({e})",
+                                         gpus_needed=need) from None
+                    fills, origin = found
+                    break
+                # the guard names the adapter that fails on an empty GPU: with --split-hot, split it further
+                if not (split_hot and e.hot and attempt < MAX_SPLIT_ROUNDS):
+                    raise
+                idx = [i for i, a in enumerate(inst.adapter_ids) if a in set(e.hot)]
+                inst = split_entries(inst, {i: 2 for i in idx})
+                diagnostics["split_rounds"] = diagnostics.get("split_rounds", 0) + 1
+                for a in e.hot:
+                    diagnostics.setdefault("split", {})[a] = sum(x == a for x in inst.adapter_ids)
+        n_greedy = len(fills)
+        if origin == "greedy":
+            fills, origin = rebalance(inst, ctx.profile, oracle, ctx.objective, fills, ctx.options,
+                                      min_gpus=bound.gpus,
+                                      on_try=lambda g: ctx.say(f"{method}: trying a balanced plan on {g} GPUs"))
+        info.update(greedy_gpus=n_greedy, plan_origin=origin, oracle_calls=stats.get("oracle_calls"),
+                    oracle_rows=stats.get("oracle_rows"), lookahead=stats.get("lookahead"))
+        return fills, info, inst
+    if gpus is not None:
+        a = assign(method, inst, ctx, gpus)
+        if not a.accepted:
+            raise Infeasible(f"{method} declares the workload infeasible on {gpus} GPUs: {a.reason}")
+        info.update({k: v for k, v in a.extra.items() if k != "validated"})
+        return a.gpus, info, inst
+    g, a, search = smallest_pool(method, inst, ctx, lo=bound.gpus_no_nmax, validate=True)
+    info["search"] = search
+    if g is None or a is None:
+        raise Infeasible(f"{method} found no pool size that works (tried {len(search['probes'])})")
+    info.update({k: v for k, v in a.extra.items() if k != "validated"})
+    return a.gpus, info, inst

@@ -1,0 +1,233 @@
+"""A lower bound on the GPUs any plan needs (placement.md §5), so every plan reports its optimality gap.
+
+**Capacity ``K(S)``.** The twin serves one adapter of rank ``S`` (``--max-loras 1``, ``--max-lora-rank S``: the
+largest KV cache), the workload's mean lengths with the profile's length law, arrivals far above capacity (a
+client cap of 4,096 waiting requests keeps the queue finite), scheduler overhead zero, 1,800 s; ``C(S)`` = the
+tokens of requests completed in [300 s, 1,800 s] per second. More adapters only add LoRA and scheduler cost
+and take KV memory, so no GPU whose largest rank is ``S`` completes more; a GPU that is not starved has offered
+load <= throughput / 0.9, hence ``K(S) = C(S) / 0.9``.
+
+``C(S)`` is computed lazily and cached on disk, one JSON file in the user cache directory
+(``$LORAPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/lorapack``, else ``~/.cache/lorapack``), keyed by profile
+hash, twin source hash, ``S`` and the rounded mean lengths: the first bound for a profile and lengths costs
+about a second per rank class, later ones nothing.
+
+**Aggregated MILP** (``scipy.optimize.milp``, HiGHS): one integer ``y_S`` per rank class, continuous demand
+and count splits ``f_{r,S}``, ``m_{r,S}`` (``S >= r``); minimise ``Σ y_S`` subject to demand, count,
+capacity ``Σ_r f_{r,S} <= K(S) y_S`` and (optional) ``Σ_r m_{r,S} <= N_max y_S``. Any valid plan induces a
+feasible solution, so the optimum is a lower bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import LorapackError
+from ..oracle import default_slot_rank
+from ..profile import Profile
+from .greedy import N_MAX
+from .problem import STARVATION_RATIO, Instance
+
+CAPACITY_FORMAT = 1
+CAPACITY_DURATION_S = 1800.0
+CAPACITY_WARMUP_S = 300.0
+CAPACITY_CLIENT_CAP = 4096
+
+# capacity function: (slot rank S) -> C(S), completed tokens/s at saturation
+CapacityFn = Callable[[int], float]
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("LORAPACK_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "lorapack"
+
+
+def _twin_source_hash() -> str:
+    twin = Path(__file__).resolve().parent.parent / "twin"
+    h = hashlib.sha256()
+    for f in sorted(twin.glob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _capacity_key(profile: Profile, slot_rank: int, mean_input_tokens: float, mean_output_tokens: float) -> str:
+    return (f"f{CAPACITY_FORMAT}|{profile.gpu}|{profile.model}|{profile.file_hash()}|twin-{_twin_source_hash()}|"
+            f"S{slot_rank}|in{round(mean_input_tokens)}|out{round(mean_output_tokens)}")
+
+
+def simulate_capacity_tok_s(profile: Profile, slot_rank: int, mean_input_tokens: float,
+                            mean_output_tokens: float, seed: int = 0) -> float:
+    """``C(S)``: completed tokens/s of one saturated GPU (see the module docstring)."""
+    from ..oracle import GpuCandidate, candidate_workload
+    from ..profile import SchedulerModel
+    from ..twin.early import capacity_bound_tok_s
+    from ..twin.run import ServerFlags, engine_config, resolve_server, simulate_requests
+    from ..workload import generate_requests
+
+    zero = SchedulerModel(ms_per_running=0.0, const_ms=0.0, ms_per_waiting=0.0, ms_per_waiting_slot_ratio=0.0,
+                          baseline_ms=0.0)
+    prof = profile.model_copy(update={"scheduler": zero})
+    ranks = np.array([slot_rank])
+    flags = ServerFlags(max_loras=1, max_lora_rank=slot_rank, client_cap=CAPACITY_CLIENT_CAP)
+    srv = resolve_server(prof, ranks, flags)
+    if not srv.starts:
+        raise LorapackError(f"{profile.model}: vLLM does not start with --max-loras 1 --max-lora-rank {slot_rank}")
+    cfg = engine_config(prof, ranks, srv, CAPACITY_DURATION_S)
+    tau = mean_input_tokens + mean_output_tokens
+    # arrivals at twice the step-time model's hard upper bound on throughput (at most 200 req/s): saturated
+    rate = min(2.0 * capacity_bound_tok_s(cfg.step_coef) / tau, 200.0)
+    cand = GpuCandidate(profile=prof, ranks=ranks, rates_rps=np.array([rate]), max_loras=1, max_lora_rank=slot_rank,
+                        mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens)
+    req = generate_requests(candidate_workload(cand, CAPACITY_DURATION_S), CAPACITY_DURATION_S, seed)
+    _m, res = simulate_requests(prof, ranks, req, flags, CAPACITY_DURATION_S)
+    assert res is not None
+    tok = req.prompt_tokens.astype(np.float64) + req.output_tokens
+    done = np.isfinite(res.t_finish_s) & (res.t_finish_s >= CAPACITY_WARMUP_S) & \
+        (res.t_finish_s <= CAPACITY_DURATION_S)
+    return float(tok[done].sum()) / (CAPACITY_DURATION_S - CAPACITY_WARMUP_S)
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def twin_capacity(profile: Profile, mean_input_tokens: float, mean_output_tokens: float,
+                  use_cache: bool = True) -> CapacityFn:
+    """``S -> C(S)`` from the twin, cached on disk (see the module docstring)."""
+    path = cache_dir() / "capacity.json"
+    memo: dict[int, float] = {}
+
+    def cap(slot_rank: int) -> float:
+        if slot_rank in memo:
+            return memo[slot_rank]
+        key = _capacity_key(profile, slot_rank, mean_input_tokens, mean_output_tokens)
+        data = _read_cache(path) if use_cache else {}
+        if key in data:
+            memo[slot_rank] = float(data[key])
+            return memo[slot_rank]
+        c = simulate_capacity_tok_s(profile, slot_rank, round(mean_input_tokens), round(mean_output_tokens))
+        memo[slot_rank] = c
+        if use_cache:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                data = _read_cache(path)  # re-read: another process may have added entries
+                data[key] = c
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+                tmp.replace(path)
+            except OSError:
+                pass  # an unwritable cache only costs time
+        return c
+
+    return cap
+
+
+@dataclass
+class LowerBound:
+    """The bound and its parts. ``gpus`` counts the N_max row; compare methods that may exceed N_max per GPU
+    (dlora, loraserve) with ``gpus_no_nmax``."""
+
+    gpus: int
+    gpus_no_nmax: int
+    throughput_bound: int  # ceil(τ Σλ / max_S K(S))
+    count_bound: int  # ceil(M / N_max)
+    capacity_tok_s: dict[int, float]  # K(S) = C(S) / 0.9 per slot rank class
+    hot_adapters: list[str] = field(default_factory=list)  # τλ_i > max_{S >= r_i} K(S)
+    solve_ms: float = 0.0
+    n_max: int = N_MAX
+
+    def to_dict(self) -> dict:
+        return {"gpus": self.gpus, "gpus_no_nmax": self.gpus_no_nmax, "throughput_bound": self.throughput_bound,
+                "count_bound": self.count_bound, "n_max": self.n_max,
+                "capacity_tok_s": {str(k): round(v, 1) for k, v in self.capacity_tok_s.items()},
+                "hot_adapters": list(self.hot_adapters), "solve_ms": round(self.solve_ms, 3)}
+
+
+def _milp(classes: list[int], demand: dict[int, float], count: dict[int, int], k: dict[int, float],
+          n_max: int | None) -> int:
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    pairs = [(r, s) for r in classes for s in classes if s >= r]
+    ny = len(classes)
+    nv = ny + 2 * len(pairs)  # y_S, f_{r,S}, m_{r,S}
+    yi = {s: j for j, s in enumerate(classes)}
+    fi = {p: ny + j for j, p in enumerate(pairs)}
+    mi = {p: ny + len(pairs) + j for j, p in enumerate(pairs)}
+    rows, lo, hi = [], [], []
+
+    def row(coefs: dict[int, float], lb: float, ub: float) -> None:
+        v = np.zeros(nv)
+        for j, c in coefs.items():
+            v[j] += c
+        rows.append(v)
+        lo.append(lb)
+        hi.append(ub)
+
+    scale = max(max(demand.values()), 1.0)  # demand in units of the largest class: well-conditioned rows
+    for r in classes:
+        row({fi[(r, s)]: 1.0 for s in classes if s >= r}, demand[r] / scale, demand[r] / scale)
+        row({mi[(r, s)]: 1.0 for s in classes if s >= r}, count[r], count[r])
+    for s in classes:
+        row({**{fi[(r, s)]: 1.0 for r in classes if r <= s}, yi[s]: -k[s] / scale}, -np.inf, 0.0)
+        if n_max is not None:
+            row({**{mi[(r, s)]: 1.0 for r in classes if r <= s}, yi[s]: -float(n_max)}, -np.inf, 0.0)
+    c = np.zeros(nv)
+    c[:ny] = 1.0
+    integrality = np.zeros(nv)
+    integrality[:ny] = 1
+    res = milp(c, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality,
+               bounds=Bounds(0, np.inf))
+    if res.status != 0 or res.x is None:
+        raise LorapackError(f"the lower-bound MILP did not solve ({res.message})")
+    return int(round(float(np.sum(np.round(res.x[:ny])))))
+
+
+def lower_bound(inst: Instance, profile: Profile | None = None, *, n_max: int = N_MAX,
+                capacity: CapacityFn | None = None) -> LowerBound:
+    """The aggregated-MILP lower bound of placement.md §5 for ``inst`` (rates incl. headroom).
+
+    ``capacity`` maps a slot rank ``S`` to ``C(S)`` (completed tokens/s at saturation); default the twin's
+    (``twin_capacity``, needs ``profile``). Toy capacities are for tests."""
+    t0 = time.perf_counter()
+    if capacity is None:
+        if profile is None:
+            raise LorapackError("lower_bound needs a profile or a capacity function")
+        capacity = twin_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens)
+    slot = np.array([default_slot_rank(int(r)) for r in inst.ranks])
+    classes = sorted(set(slot.tolist()))
+    k = {s: float(capacity(s)) / STARVATION_RATIO for s in classes}
+    d_tok = inst.demand_tok_s
+    demand = {s: float(d_tok[slot == s].sum()) for s in classes}
+    # adapters, not entries: the replicas of a split adapter may share a GPU
+    count = {s: len({a for a, x in zip(inst.adapter_ids, slot, strict=True) if x == s}) for s in classes}
+    # hot: one adapter's demand (all its replicas: split entries share an id) above every admissible K(S)
+    best_k = {s: max(k[x] for x in classes if x >= s) for s in classes}
+    per_adapter: dict[str, float] = {}
+    cls: dict[str, int] = {}
+    for a, d, s in zip(inst.adapter_ids, d_tok, slot, strict=True):
+        per_adapter[a] = per_adapter.get(a, 0.0) + float(d)
+        cls[a] = int(s)
+    hot = [a for a, d in per_adapter.items() if d > best_k[cls[a]]]
+    g = _milp(classes, demand, count, k, n_max)
+    g_free = _milp(classes, demand, count, k, None)
+    return LowerBound(
+        gpus=max(g, 1), gpus_no_nmax=max(g_free, 1),
+        throughput_bound=max(1, math.ceil(float(d_tok.sum()) / max(k.values()) - 1e-9)),
+        count_bound=max(1, math.ceil(len(set(inst.adapter_ids)) / n_max)), capacity_tok_s=k, hot_adapters=hot,
+        solve_ms=(time.perf_counter() - t0) * 1e3, n_max=n_max)

@@ -1,0 +1,224 @@
+"""The placement problem: the adapters to place (``Instance``) and what a GPU must achieve (``Objective``).
+
+An ``Instance`` is validated once, here, so the methods never see unchecked arrays: ids unique and non-empty,
+ranks integers vLLM can serve (1 ... 512), rates finite and > 0 req/s. Headroom is applied when the instance
+is built (``rates_rps`` are the rates the plan is made for); ``nominal_rates_rps`` keeps the forecast.
+
+Split hot adapters (``--split-hot``) become several *entries* of the instance with the same ``adapter_id``
+and ``weight = 1/k`` each; every method places entries, plans list adapter ids with their weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..errors import SpecError
+from ..oracle import GpuCandidate, Prediction
+from ..profile import VLLM_LORA_RANKS, Profile
+
+# The default latency objective (documented in docs/placement.md and `lorapack place --help`): the mean
+# time to first token of every GPU at most 2 s. An interactive chat service notices waits beyond a couple of
+# seconds; in the twin a GPU is either well below this (0.05-0.3 s: no queue) or far above (tens of seconds:
+# a queue builds), so the exact value between 1 and 10 s moves few plans.
+DEFAULT_MAX_TTFT_S = 2.0
+# Plans are made for the forecast rates x (1 + headroom): a margin for forecast error.
+DEFAULT_HEADROOM = 0.2
+# The paper's starvation label: a GPU is starved when it completes < 90 % of the offered tokens.
+STARVATION_RATIO = 0.9
+# The largest rank vLLM accepts (--max-lora-rank 512).
+MAX_VLLM_RANK = VLLM_LORA_RANKS[-1]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What every GPU of a plan must achieve besides starting: not starved (the paper's label, always), and
+    the latency limits that are set (``None`` = no limit). ``Objective()`` is the default latency objective;
+    ``Objective.throughput()`` the paper's criterion alone."""
+
+    max_ttft_s: float | None = DEFAULT_MAX_TTFT_S  # mean TTFT of completed requests
+    max_itl_ms: float | None = None  # token-weighted mean inter-token latency
+    max_ttft_p99_s: float | None = None
+    max_itl_p99_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_ttft_s", "max_itl_ms", "max_ttft_p99_s", "max_itl_p99_ms"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not math.isfinite(v) or v <= 0):
+                raise SpecError(f"--{name.replace('_', '-')} {v}: expected a finite number > 0")
+
+    @classmethod
+    def throughput(cls) -> Objective:
+        """The paper's criterion: throughput >= 90 % of the offered load, no latency limit."""
+        return cls(max_ttft_s=None)
+
+    @property
+    def name(self) -> str:
+        return "latency" if self.limits() else "throughput"
+
+    def limits(self) -> dict[str, float]:
+        """The latency limits that are set, by field name."""
+        return {k: v for k in ("max_ttft_s", "max_itl_ms", "max_ttft_p99_s", "max_itl_p99_ms")
+                if (v := getattr(self, k)) is not None}
+
+    def latency_violations(self, ttft_s: float, itl_ms: float, ttft_p99_s: float, itl_p99_ms: float) -> list[str]:
+        """Names of the latency limits the values break. NaN (unknown: not predicted) breaks nothing."""
+        vals = {"max_ttft_s": ttft_s, "max_itl_ms": itl_ms, "max_ttft_p99_s": ttft_p99_s,
+                "max_itl_p99_ms": itl_p99_ms}
+        return [k for k, lim in self.limits().items() if vals[k] > lim]  # NaN > x is False
+
+    def check(self, p: Prediction) -> str | None:
+        """``None`` if the predicted GPU meets the objective, else the binding constraint: ``memory`` (vLLM
+        does not start), ``throughput`` (starved: the paper's label or an adapter starved) or ``latency``."""
+        if not p.fits:
+            return "memory"
+        if not p.starved < 0.5 or p.adapter_starved >= 0.5:  # NaN adapter_starved (unknown) passes
+            return "throughput"
+        if self.latency_violations(p.ttft_s, p.itl_ms, p.ttft_p99_s, p.itl_p99_ms):
+            return "latency"
+        return None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "min_throughput_ratio": STARVATION_RATIO, **self.limits()}
+
+
+@dataclass(frozen=True, eq=False)
+class Instance:
+    """Adapters to place. Arrays are in input order; ``entry`` ``i`` is one adapter or one replica of a split
+    adapter (``weight`` < 1). Build with ``make_instance`` / ``instance_from_workload`` (they validate)."""
+
+    adapter_ids: tuple[str, ...]  # per entry; repeated for the replicas of a split adapter
+    ranks: np.ndarray  # int64 [n]
+    rates_rps: np.ndarray  # float64 [n]: the rates the plan is made for (forecast x (1 + headroom) x weight)
+    weights: np.ndarray  # float64 [n]: share of the adapter's requests this entry carries
+    mean_input_tokens: float
+    mean_output_tokens: float
+    headroom: float = 0.0
+    paths: dict[str, str] = field(default_factory=dict)  # adapter id -> weights path (for serve.sh)
+
+    @property
+    def n(self) -> int:
+        return len(self.adapter_ids)
+
+    @property
+    def tokens_per_request(self) -> float:
+        return self.mean_input_tokens + self.mean_output_tokens
+
+    @property
+    def demand_tok_s(self) -> np.ndarray:
+        return self.rates_rps * self.tokens_per_request
+
+    @property
+    def nominal_rates_rps(self) -> np.ndarray:
+        """Per entry: the forecast rate without headroom."""
+        return self.rates_rps / (1.0 + self.headroom)
+
+    @property
+    def is_split(self) -> bool:
+        return bool(np.any(self.weights < 1.0))
+
+    def subset(self, idx: Sequence[int] | np.ndarray) -> Instance:
+        idx = np.asarray(idx, dtype=np.int64)
+        return replace(self, adapter_ids=tuple(self.adapter_ids[i] for i in idx), ranks=self.ranks[idx],
+                       rates_rps=self.rates_rps[idx], weights=self.weights[idx])
+
+    def candidate(self, profile: Profile, idx: Sequence[int] | np.ndarray, max_loras: int,
+                  max_lora_rank: int | None = None) -> GpuCandidate:
+        """The GPU that serves entries ``idx`` (registration order) with ``--max-loras max_loras``."""
+        idx = np.asarray(idx, dtype=np.int64)
+        if max_lora_rank is None:  # the instance is validated: no need to check its slices again
+            return GpuCandidate.prevalidated(profile, self.ranks[idx], self.rates_rps[idx], max_loras,
+                                             self.mean_input_tokens, self.mean_output_tokens)
+        return GpuCandidate(profile=profile, ranks=self.ranks[idx], rates_rps=self.rates_rps[idx],
+                            max_loras=int(max_loras), max_lora_rank=max_lora_rank,
+                            mean_input_tokens=self.mean_input_tokens, mean_output_tokens=self.mean_output_tokens)
+
+
+def _check_lengths(mean_input_tokens: float, mean_output_tokens: float) -> None:
+    for name, v in (("mean_input_tokens", mean_input_tokens), ("mean_output_tokens", mean_output_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int | float | np.number) or not math.isfinite(v) or v < 1:
+            raise SpecError(f"{name} {v!r}: expected a finite number of tokens >= 1")
+
+
+def make_instance(adapter_ids: Sequence[str], ranks: Sequence[int] | np.ndarray, rates_rps: Sequence[float] | np.ndarray,
+                  *, mean_input_tokens: float, mean_output_tokens: float, headroom: float = DEFAULT_HEADROOM,
+                  paths: dict[str, str] | None = None, where: str = "workload") -> Instance:
+    """Validate adapters and build the instance the methods place (rates x (1 + headroom)).
+
+    Refused, each with a one-line ``SpecError`` naming the adapter: no adapters, duplicate or empty ids, ranks
+    that are not integers in 1 ... 512 (vLLM's largest --max-lora-rank), rates that are not finite and > 0."""
+    ids = [str(a) for a in adapter_ids]
+    if not ids:
+        raise SpecError(f"{where}: no adapters; expected at least one")
+    if isinstance(headroom, bool) or not math.isfinite(headroom) or headroom < 0:
+        raise SpecError(f"--headroom {headroom}: expected a finite number >= 0 (0.2 plans for rates x 1.2)")
+    _check_lengths(mean_input_tokens, mean_output_tokens)
+    rk = np.asarray(ranks)
+    rt = np.asarray(rates_rps, dtype=np.float64) if len(ids) else np.zeros(0)
+    if rk.shape != (len(ids),) or rt.shape != (len(ids),):
+        raise SpecError(f"{where}: expected one rank and one rate per adapter ({len(ids)} ids, {rk.shape} ranks, "
+                        f"{rt.shape} rates)")
+    seen: set[str] = set()
+    for i, a in enumerate(ids):
+        if not a.strip() or any(ch.isspace() for ch in a):
+            raise SpecError(f"{where}: adapter {i}: id {a!r}: expected a non-empty name without spaces")
+        if a in seen:
+            raise SpecError(f"{where}: duplicate adapter_id '{a}'; expected unique ids")
+        seen.add(a)
+        r = rk[i].item() if hasattr(rk[i], "item") else rk[i]
+        if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r) or r != int(r) \
+                or not 1 <= int(r) <= MAX_VLLM_RANK:
+            raise SpecError(f"{where}: adapter '{a}': rank {r!r}: vLLM serves integer ranks 1 ... {MAX_VLLM_RANK} "
+                            f"(--max-lora-rank {', '.join(map(str, VLLM_LORA_RANKS))})")
+        q = float(rt[i])
+        if not math.isfinite(q) or q <= 0:
+            raise SpecError(f"{where}: adapter '{a}': rate_rps {q!r}: expected a finite rate > 0 req/s "
+                            f"(drop adapters that receive no requests)")
+    return Instance(adapter_ids=tuple(ids), ranks=rk.astype(np.int64), rates_rps=rt * (1.0 + headroom),
+                    weights=np.ones(len(ids)), mean_input_tokens=float(mean_input_tokens),
+                    mean_output_tokens=float(mean_output_tokens), headroom=float(headroom),
+                    paths=dict(paths or {}))
+
+
+def instance_from_workload(workload, *, headroom: float = DEFAULT_HEADROOM, mean_input_tokens: float | None = None,
+                           mean_output_tokens: float | None = None, where: str = "workload") -> Instance:
+    """The instance of a ``lorapack.spec.Workload``: its adapters, rates, paths and mean lengths."""
+    from ..spec import TraceArrivals
+
+    if isinstance(workload.arrivals, TraceArrivals):
+        raise SpecError(f"{where}: trace arrivals carry no per-adapter rates; placement needs 'rate_rps' per "
+                        f"adapter (Poisson arrivals)")
+    if workload.lengths.kind == "empirical":
+        from ..workload.lengths import load_lengths_table
+
+        tab = load_lengths_table(workload.lengths.path)
+        pi, po = float(tab[:, 0].mean()), float(tab[:, 1].mean())
+    else:
+        pi, po = workload.lengths.mean_input_tokens, workload.lengths.mean_output_tokens
+    return make_instance(
+        workload.adapter_ids, workload.ranks, workload.rates_rps,
+        mean_input_tokens=pi if mean_input_tokens is None else mean_input_tokens,
+        mean_output_tokens=po if mean_output_tokens is None else mean_output_tokens,
+        headroom=headroom, paths={a.adapter_id: a.path for a in workload.adapters if a.path}, where=where)
+
+
+def split_entries(inst: Instance, replicas: dict[int, int]) -> Instance:
+    """Replace entry ``i`` by ``replicas[i]`` entries with ``1/k`` of its rate each (same id, weight 1/k).
+    Replicas follow their adapter in input order."""
+    idx: list[int] = []
+    w: list[float] = []
+    for i in range(inst.n):
+        k = int(replicas.get(i, 1))
+        idx.extend([i] * k)
+        w.extend([inst.weights[i] / k] * k)
+    ix = np.asarray(idx, dtype=np.int64)
+    wa = np.asarray(w)
+    return replace(inst, adapter_ids=tuple(inst.adapter_ids[i] for i in ix), ranks=inst.ranks[ix],
+                   rates_rps=inst.rates_rps[ix] * wa / inst.weights[ix], weights=wa)
+
+
+def predicted_ok(objective: Objective, p: Prediction) -> bool:
+    return objective.check(p) is None

@@ -1,0 +1,439 @@
+"""Real benchmark runs: read a runs CSV, rebuild a run as twin inputs, simulate it, score the twin against it.
+
+The one place that turns a measured run (schema of ``shared/data/real-runs/*.csv``) into twin inputs, and
+the one place that scores predictions against measurements; ``lorapack validate`` and the calibration's
+refinement (``calibrate.refine``) both use it (twin.md §8.2, §3.5 step 2).
+
+A run is rebuilt as the real benchmark did: ``n_adapters`` adapters with ranks from ``rank_counts`` and rates
+from ``rate_counts``, the rank<->rate pairing and the registration order shuffled by the seed, the row's pool
+mean lengths, its window and server flags, and the client-saturation cap on (it is part of the measured
+system, twin.md §2.6).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import DataError, LorapackError
+from .guards import Limits
+from .profile import Profile
+from .twin.metrics import RunMetrics
+
+REQUIRED = ("run_id", "model", "n_adapters", "max_loras", "max_lora_rank", "rank_counts", "rate_counts",
+            "status")
+NOISY_RATIO = (0.85, 0.95)  # real labels with a throughput ratio in here are noise (data README §6)
+DEFAULT_MEAN_INPUT_TOKENS, DEFAULT_MEAN_OUTPUT_TOKENS = 223.0, 197.0  # pool means when a row has none
+GROUP_SEP = "__"
+NAN = float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reading rows
+
+
+def row_float(row: dict, key: str, default: float | None = None) -> float | None:
+    """The row's value of ``key`` as a float; ``default`` when empty, missing or not a number."""
+    v = (row.get(key) or "").strip()
+    if v == "":
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        return default
+
+
+def _row_int(row: dict, key: str) -> int | None:
+    v = row_float(row, key)
+    return int(v) if v is not None and math.isfinite(v) else None
+
+
+def parse_counts(text: str, kind: type = float) -> list:
+    """``"8:64 16:64"`` -> ``[8]*64 + [16]*64``; a malformed pair raises ``DataError``."""
+    out: list = []
+    for part in (text or "").split():
+        value, sep, count = part.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            v = float(value)
+            n = int(count)
+            if not math.isfinite(v) or v < 0 or n < 0 or (kind is int and v != int(v)):
+                raise ValueError
+        except ValueError:
+            what = "a non-negative integer" if kind is int else "a finite number >= 0"
+            raise DataError(f"malformed count '{part}' in '{text}': expected value:count with value "
+                            f"{what} and count an integer >= 0, e.g. '8:64 16:64'") from None
+        out.extend([int(v) if kind is int else kind(value)] * n)
+    return out
+
+
+def read_runs(path: str | Path) -> list[dict]:
+    from .checks import input_file_problem
+
+    path = Path(path)
+    problem = input_file_problem(path)
+    if problem == "file not found":
+        raise DataError(f"runs file not found: {path}")
+    if problem is not None:
+        raise DataError(f"runs file {path}: {problem}")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in REQUIRED if c not in (reader.fieldnames or [])]
+        if missing:
+            raise DataError(f"{path}: missing column(s) {', '.join(missing)}; expected the real-runs schema "
+                            f"(see shared/data/README.md §4)")
+        return list(reader)
+
+
+def _int_field(row: dict, key: str, where: str, minimum: int = 1) -> int:
+    v = row_float(row, key)
+    if v is None or not math.isfinite(v) or v != int(v) or v < minimum:
+        raise DataError(f"{where}: column {key} = {row.get(key)!r}; expected an integer >= {minimum}")
+    return int(v)
+
+
+def check_row(row: dict, where: str, measured: Sequence[str] = (), need_counts: bool = False) -> None:
+    """Fail early, naming the row (``where``), on a row that cannot be rebuilt (instead of inside a worker).
+
+    Real oom rows need only the flags of the start-up rule. ``measured``: columns an ok row must carry as
+    positive numbers; ``need_counts``: an ok row must have ``rank_counts`` and ``rate_counts``."""
+    status = (row.get("status") or "").strip()
+    if status not in ("ok", "oom"):
+        raise DataError(f"{where}: status {row.get('status')!r}; expected ok or oom")
+    _int_field(row, "max_loras", where)
+    _int_field(row, "max_lora_rank", where)
+    if status == "oom":  # scored on the start-up rule only; oom rows carry no rates
+        return
+    n = _int_field(row, "n_adapters", where)
+    try:
+        ranks = parse_counts(row.get("rank_counts") or "", int)
+        rates = parse_counts(row.get("rate_counts") or "", float)
+    except DataError as e:
+        raise DataError(f"{where}: {e}") from None
+    if (ranks or rates) and (len(ranks) != n or len(rates) != n):
+        raise DataError(f"{where}: rank_counts/rate_counts ({len(ranks)}/{len(rates)} adapters) do not add up "
+                        f"to n_adapters={n}")
+    if need_counts and not (ranks and rates):
+        raise DataError(f"{where}: an ok run needs rank_counts and rate_counts")
+    for c in measured:
+        v = row_float(row, c)
+        if v is None or not math.isfinite(v) or v <= 0:
+            raise DataError(f"{where}: column '{c}' is empty, NaN or not positive in an ok run")
+
+
+def run_group(run_id: str) -> str:
+    """The group of a run: the middle part of ``run_id`` (``<prefix>__<model>__<group>___<suffix>``)."""
+    parts = run_id.split(GROUP_SEP)
+    return parts[2].rstrip("_") if len(parts) >= 3 else ""
+
+
+def measured_oom(row: dict) -> bool:
+    return (row.get("status") or "").strip() == "oom"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rebuilding a run as twin inputs
+
+
+def build_workload(row: dict, seed: int, lengths: str = "lognormal", cv: float | None = None):
+    """The row's workload: shuffled rank/rate assignment, pool-mean lengths, Poisson arrivals.
+
+    ``cv``: post-filter CV of log-normal lengths (None = the spec default)."""
+    from pydantic import ValidationError
+
+    from .spec import Adapter, LengthsSpec, PoissonArrivals, Workload
+
+    n = int(float(row["n_adapters"]))
+    ranks = parse_counts(row["rank_counts"], int)
+    rates = parse_counts(row["rate_counts"], float)
+    if len(ranks) != n or len(rates) != n:
+        raise DataError(f"run {row['run_id']}: rank_counts/rate_counts do not add up to n_adapters={n}")
+    rng = np.random.default_rng([seed, 0x5EED])
+    ranks = np.array(ranks)[rng.permutation(n)]
+    rates = np.array(rates)[rng.permutation(n)]
+    mi = row_float(row, "mean_input_tokens", DEFAULT_MEAN_INPUT_TOKENS)
+    mo = row_float(row, "mean_output_tokens", DEFAULT_MEAN_OUTPUT_TOKENS)
+    extra = {"cv": float(cv)} if cv is not None and lengths == "lognormal" else {}
+    try:
+        adapters = [Adapter(adapter_id=f"adapter-{i}", rank=int(ranks[i]), rate_rps=float(rates[i]))
+                    for i in range(n)]
+        return Workload(adapters=adapters, lengths=LengthsSpec(kind=lengths, mean_input_tokens=mi,
+                                                               mean_output_tokens=mo, **extra),
+                        arrivals=PoissonArrivals(), duration_s=row_float(row, "window_s", 3600.0))
+    except ValidationError as e:  # e.g. mean_input_tokens 1e12 or window_s -5 in the runs file
+        err = e.errors(include_url=False)[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise DataError(f"run {row.get('run_id')}: {where}: {err['msg'].removeprefix('Value error, ')} "
+                        f"(got {err.get('input')!r})") from None
+
+
+def server_flags(row: dict, profile: Profile, client_cap: int | None = None):
+    """The row's vLLM flags (``twin.run.ServerFlags``); the client cap defaults to the real benchmark's."""
+    from .twin.run import REAL_CLIENT_CAP, ServerFlags
+
+    return ServerFlags(
+        max_loras=int(float(row["max_loras"])), max_lora_rank=int(float(row["max_lora_rank"])),
+        max_cpu_loras=int(row_float(row, "max_cpu_loras", float(row["n_adapters"]))),
+        max_num_batched_tokens=int(row_float(row, "max_num_batched_tokens", profile.max_num_batched_tokens)),
+        max_num_seqs=int(row_float(row, "max_num_seqs", profile.max_num_seqs)),
+        client_cap=REAL_CLIENT_CAP if client_cap is None else int(client_cap))
+
+
+@functools.lru_cache(maxsize=4096)
+def feasible_cv(mean_input: float, mean_output: float, cv: float) -> float:
+    """``cv``, or the largest CV below it that the truncated log-normal law can reach for these post-filter
+    means (high CVs are unreachable under the ShareGPT filter: P <= 1024, P + O <= 2048). Lets the refinement
+    try any CV: beyond the reachable range the response is flat and the prior pulls it back."""
+    from .errors import SpecError
+    from .workload.lengths import solve_lognormal_lengths
+
+    def ok(c: float) -> bool:
+        try:
+            solve_lognormal_lengths(mean_input, mean_output, c)
+        except SpecError:
+            return False
+        return True
+
+    if ok(cv):
+        return cv
+    lo, hi = min(cv, 0.05), cv
+    if not ok(lo):
+        return cv  # nothing reachable: let the workload raise its own message
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def simulate_run(profile: Profile, row: dict, seed: int = 0, lengths: str = "lognormal", cv: float | None = None,
+                 client_cap: int | None = None, limits: Limits | None = None) -> RunMetrics:
+    """Rebuild one real run and simulate it with ``profile``.
+
+    ``cv`` overrides the profile's fitted length CV (``profile.runs_lengths``); a CV the log-normal law cannot
+    reach for the row's pool means is clamped (``feasible_cv``). Errors name the run."""
+    from .twin.run import simulate
+
+    try:
+        if cv is None and profile.runs_lengths is not None:
+            cv = profile.runs_lengths.cv
+        if cv is not None and lengths == "lognormal":
+            cv = feasible_cv(row_float(row, "mean_input_tokens", DEFAULT_MEAN_INPUT_TOKENS),
+                             row_float(row, "mean_output_tokens", DEFAULT_MEAN_OUTPUT_TOKENS), cv)
+        wl = build_workload(row, seed, lengths, cv)
+        out, _ = simulate(profile, wl, server_flags(row, profile, client_cap), wl.duration_s, seed, limits=limits)
+    except LorapackError as e:  # name the run: the error may surface from a worker process
+        raise DataError(f"run {row.get('run_id')}: {e}") from None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# predictions
+
+
+def _mean(vals: Sequence[Any]) -> float:
+    xs = [float(v) for v in vals if v is not None and math.isfinite(float(v))]
+    return float(np.mean(xs)) if xs else NAN
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    """The twin's prediction of one real run: metrics averaged over seeds, ``starved`` by majority.
+
+    ``oom``: the server would not start (start-up rule); its metrics are NaN and ``starved`` is None.
+    A real oom run that the profile would start is not simulated (it carries no rates): ``oom`` False,
+    metrics NaN."""
+
+    oom: bool
+    error_type: str | None = None
+    throughput_tok_s: float = NAN
+    itl_mean_ms: float = NAN
+    ttft_mean_ms: float = NAN
+    throughput_ratio: float = NAN
+    starved: bool | None = None
+    running_reqs_mean: float = NAN
+    waiting_reqs_max: float = NAN
+    n_preemptions: float = NAN  # mean over seeds
+    n_adapter_loads: float = NAN
+    wall_s: float = NAN
+    n_seeds: int = 0
+
+    @classmethod
+    def from_runs(cls, runs: Sequence[RunMetrics]) -> RunPrediction:
+        """Average the simulations of one run over its seeds."""
+        return cls(
+            oom=False, throughput_tok_s=_mean([r.throughput_tok_s for r in runs]),
+            itl_mean_ms=_mean([r.itl_mean_ms for r in runs]), ttft_mean_ms=_mean([r.ttft_mean_ms for r in runs]),
+            throughput_ratio=_mean([r.throughput_ratio for r in runs]),
+            starved=bool(np.mean([bool(r.starved) for r in runs]) >= 0.5),
+            running_reqs_mean=_mean([r.running_reqs_mean for r in runs]),
+            waiting_reqs_max=_mean([r.waiting_reqs_max for r in runs]),
+            n_preemptions=_mean([r.n_preemptions for r in runs]),
+            n_adapter_loads=_mean([r.n_adapter_loads for r in runs]), wall_s=_mean([r.wall_s for r in runs]),
+            n_seeds=len(runs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def startup_prediction(profile: Profile, row: dict) -> RunPrediction | None:
+    """The prediction of a row that needs no simulation, else None (simulate it).
+
+    The start-up rule decides alone when the server would not start, and for real oom rows (they carry no
+    rates): those are scored on the start-up rule only."""
+    starts, _kv, err = profile.startup(int(float(row["max_loras"])), int(float(row["max_lora_rank"])))
+    if not starts:
+        return RunPrediction(oom=True, error_type=err)
+    if measured_oom(row):
+        return RunPrediction(oom=False)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# measured vs predicted
+
+
+@dataclass(frozen=True)
+class RunComparison:
+    """One real run next to its prediction (for tables, plots and the ``validate --out`` CSV)."""
+
+    run_id: str
+    model: str
+    group: str
+    status: str
+    max_loras: int | None
+    n_adapters: int | None
+    max_lora_rank: int | None
+    measured_oom: bool
+    measured_throughput_tok_s: float | None
+    measured_itl_ms: float | None
+    measured_ttft_ms: float | None
+    measured_throughput_ratio: float | None
+    measured_starved: bool | None
+    measured_running_mean: float | None
+    prediction: RunPrediction
+
+    @classmethod
+    def of(cls, row: dict, pred: RunPrediction) -> RunComparison:
+        starved = row_float(row, "starved")
+        run_id = row.get("run_id") or ""
+        return cls(run_id=run_id, model=row.get("model") or "", group=run_group(run_id),
+                   status=(row.get("status") or "").strip(), max_loras=_row_int(row, "max_loras"),
+                   n_adapters=_row_int(row, "n_adapters"), max_lora_rank=_row_int(row, "max_lora_rank"),
+                   measured_oom=measured_oom(row), measured_throughput_tok_s=row_float(row, "throughput_tok_s"),
+                   measured_itl_ms=row_float(row, "itl_mean_ms"), measured_ttft_ms=row_float(row, "ttft_mean_ms"),
+                   measured_throughput_ratio=row_float(row, "throughput_ratio"),
+                   measured_starved=None if starved is None else bool(starved),
+                   measured_running_mean=row_float(row, "running_mean"), prediction=pred)
+
+    @property
+    def scored(self) -> bool:
+        """Both sides ran: real and predicted server started (oom rows are scored on the start-up rule)."""
+        return not self.measured_oom and not self.prediction.oom
+
+    def _predicted(self, value: Any) -> Any:
+        return value if self.scored else NAN
+
+    @property
+    def predicted_oom(self) -> bool:
+        return self.prediction.oom
+
+    @property
+    def predicted_throughput_tok_s(self) -> float:
+        return self._predicted(self.prediction.throughput_tok_s)
+
+    @property
+    def predicted_itl_ms(self) -> float:
+        return self._predicted(self.prediction.itl_mean_ms)
+
+    @property
+    def predicted_ttft_ms(self) -> float:
+        return self._predicted(self.prediction.ttft_mean_ms)
+
+    @property
+    def predicted_throughput_ratio(self) -> float:
+        return self._predicted(self.prediction.throughput_ratio)
+
+    @property
+    def predicted_starved(self) -> bool | None:
+        return self.prediction.starved if self.scored else None
+
+    @property
+    def predicted_running_mean(self) -> float:
+        return self._predicted(self.prediction.running_reqs_mean)
+
+
+# columns of ``lorapack validate --out`` (a contract) and of the calibration's per-run table
+VALIDATE_COLUMNS = ("run_id", "model", "status", "measured_oom", "predicted_oom", "measured_throughput_tok_s",
+                    "predicted_throughput_tok_s", "measured_itl_ms", "predicted_itl_ms", "measured_ttft_ms",
+                    "predicted_ttft_ms", "measured_starved", "predicted_starved", "measured_throughput_ratio",
+                    "predicted_throughput_ratio")
+
+
+def compare_runs(rows: Sequence[dict], preds: Sequence[RunPrediction]) -> list[RunComparison]:
+    return [RunComparison.of(r, p) for r, p in zip(rows, preds, strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scores
+
+
+def smape(y: np.ndarray, yhat: np.ndarray, factor: float = 1.0) -> float:
+    """``100 * mean(factor * |y - yhat| / (|y| + |yhat|))``; factor 1 = paper convention, 2 = usual."""
+    y, yhat = np.asarray(y, float), np.asarray(yhat, float)
+    ok = np.isfinite(y) & np.isfinite(yhat) & ((np.abs(y) + np.abs(yhat)) > 0)
+    if not ok.any():
+        return NAN
+    return float(100.0 * np.mean(factor * np.abs(y[ok] - yhat[ok]) / (np.abs(y[ok]) + np.abs(yhat[ok]))))
+
+
+def _confusion_dict(c: dict[str, int]) -> dict[str, int]:
+    return {"real_starved_pred_starved": c["tp"], "real_starved_pred_healthy": c["fn"],
+            "real_healthy_pred_starved": c["fp"], "real_healthy_pred_healthy": c["tn"]}
+
+
+def score_runs(rows: Sequence[dict], preds: Sequence[RunPrediction]) -> dict:
+    """Scores of predictions against the measured rows: both SMAPE conventions (twin.md §4.3), starvation
+    agreement (all labelled runs, and the clear ones outside ``NOISY_RATIO``), OOM agreement."""
+    cmp = compare_runs(rows, preds)
+    ok = [c for c in cmp if c.scored]
+    conf = {"tp": 0, "fn": 0, "fp": 0, "tn": 0}
+    conf_clear = dict(conf)
+    for c in ok:
+        if c.measured_starved is None:
+            continue
+        pred = bool(c.prediction.starved)
+        key = ("t" if c.measured_starved == pred else "f") + ("p" if pred else "n")
+        conf[key] += 1
+        ratio = c.measured_throughput_ratio
+        if ratio is not None and not (NOISY_RATIO[0] <= ratio <= NOISY_RATIO[1]):
+            conf_clear[key] += 1
+
+    def agree(c: dict) -> float:
+        n = sum(c.values())
+        return (c["tp"] + c["tn"]) / n if n else NAN
+
+    def arr(name: str) -> np.ndarray:
+        return np.array([NAN if getattr(c, name) is None else getattr(c, name) for c in ok], float)
+
+    out: dict[str, Any] = {"n_runs": len(cmp), "n_scored": len(ok)}
+    for name, unit in (("throughput", "tok_s"), ("itl", "ms"), ("ttft", "ms")):
+        y, yhat = arr(f"measured_{name}_{unit}"), arr(f"predicted_{name}_{unit}")
+        out[f"smape_{name}"] = smape(y, yhat)
+        out[f"smape_{name}_2x"] = smape(y, yhat, 2)
+    oom_agree = [c.measured_oom == c.predicted_oom for c in cmp]
+    out.update(starved_agreement=agree(conf), starved_agreement_clear=agree(conf_clear),
+               n_labelled=sum(conf.values()), n_clear=sum(conf_clear.values()),
+               starvation_confusion=_confusion_dict(conf), starvation_confusion_clear=_confusion_dict(conf_clear),
+               oom_agreement=float(np.mean(oom_agree)) if oom_agree else NAN,
+               oom_false_accept=sum(c.measured_oom and not c.predicted_oom for c in cmp),
+               oom_false_reject=sum(c.predicted_oom and not c.measured_oom for c in cmp))
+    return out

@@ -1,0 +1,399 @@
+"""lorapack evaluate: workload derivation, scenario files, replay of plans, the runner and the JSON contract."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from evaluate_helpers import ToyPlacer, write_trace
+from lorapack.errors import SpecError
+from lorapack.evaluate.replay import LatencyObjective, Replayer, split_plan
+from lorapack.evaluate.runner import evaluate_scenarios, smallest_clean_pool
+from lorapack.evaluate.scenario import load_scenarios
+from lorapack.placement.plan import GpuPlan, Plan
+from lorapack.profile import find_profile
+from lorapack.workload.derive import DeriveOptions, derive_workload, parse_weights
+from lorapack.workload.trace import load_trace
+
+FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+CONTRACT_KEYS = {"gpus_used", "gpus_used_fixed_pool", "lower_bound_gpus", "starved_gpus", "oom_gpus",
+                 "throughput_tok_s", "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "placement_ms"}
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory) -> Path:
+    return write_trace(tmp_path_factory.mktemp("trace") / "toy.csv")
+
+
+@pytest.fixture(scope="module")
+def trace(trace_file):
+    return load_trace(trace_file)
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return find_profile("llama-3.1-8b-instruct")
+
+
+def _derive(trace, seed=0, **kw):
+    opts = dict(n_adapters=40, weights=parse_weights("dirichlet:0.5"), load_scale=1.0, split_s=300.0)
+    opts.update(kw)
+    return derive_workload(trace, DeriveOptions(**opts), seed)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# derivation
+
+
+def test_parse_weights():
+    assert str(parse_weights("uniform")) == "uniform"
+    assert parse_weights("zipf").param == 1.0 and parse_weights("dirichlet").param == 0.5
+    assert parse_weights(" zipf : 1.2 ").param == 1.2
+    for bad in ("pareto", "uniform:1", "zipf:x", "dirichlet:0", "zipf:-1", "dirichlet:nan"):
+        with pytest.raises(ValueError):
+            parse_weights(bad)
+
+
+@FAST
+@given(n=st.integers(1, 300), k=st.sampled_from([1.0, 2.0, 3.0, 0.5, 2.5]), seed=st.integers(0, 2**31),
+       proto=st.sampled_from(["E1", "E2"]), weights=st.sampled_from(["uniform", "zipf:1.5", "dirichlet:0.1"]))
+def test_every_adapter_has_a_request_and_scaling_multiplies_requests(trace, n, k, seed, proto, weights):
+    d = _derive(trace, seed, n_adapters=n, load_scale=k, protocol=proto, weights=parse_weights(weights))
+    if k == int(k):
+        assert d.trace_requests == int(k) * len(trace)
+    else:  # integer copies plus a Bernoulli-thinned one: within 6 sigma
+        sd = math.sqrt(len(trace) * 0.25)
+        assert abs(d.trace_requests - k * len(trace)) < 6 * sd + 1
+    if proto == "E1":
+        total = d.estimation_counts + np.bincount(d.replay.adapter, minlength=n)
+        assert total.min() >= 1 and total.sum() == d.trace_requests
+        assert d.estimation_counts.sum() + len(d.replay) == d.trace_requests
+    else:  # both hours label every adapter at least once
+        assert d.estimation_counts.min() >= 1
+        assert np.bincount(d.replay.adapter, minlength=n).min() >= 1
+        assert len(d.replay) == d.trace_requests
+    assert np.all(d.rates_rps >= 1.0 / d.estimation_window_s - 1e-15)
+    assert np.all(np.diff(d.replay.t_arr_s) >= 0)
+    assert d.replay.t_arr_s.min() >= 0 and d.replay.t_arr_s.max() < d.replay_window_s
+
+
+def test_seeds_reproduce_and_differ(trace):
+    for proto in ("E1", "E2", "E3"):
+        a, b, c = _derive(trace, 3, protocol=proto), _derive(trace, 3, protocol=proto), _derive(trace, 4, protocol=proto)
+        for x, y in ((a.replay.t_arr_s, b.replay.t_arr_s), (a.replay.adapter, b.replay.adapter),
+                     (a.replay.prompt_tokens, b.replay.prompt_tokens), (a.rates_rps, b.rates_rps), (a.ranks, b.ranks)):
+            np.testing.assert_array_equal(x, y)
+        assert not np.array_equal(a.rates_rps, c.rates_rps)
+
+
+def test_ranks_round_robin_and_rates(trace):
+    d = _derive(trace, n_adapters=41, rank_set=(8, 16, 32))
+    counts = {int(r): int(c) for r, c in zip(*np.unique(d.ranks, return_counts=True), strict=True)}
+    assert counts == {8: 14, 16: 14, 32: 13}
+    np.testing.assert_allclose(d.rates_rps, np.maximum(d.estimation_counts, 1) / 300.0)
+    wl = d.workload()
+    assert wl.n_adapters == 41 and list(wl.ranks) == list(d.ranks)
+    assert wl.lengths.mean_input_tokens == pytest.approx(d.mean_input_tokens)
+
+
+def test_e1_split_window_and_e3_poisson_rates(trace):
+    d1 = _derive(trace, protocol="E1")
+    assert d1.estimation_window_s == 300.0 and d1.replay_window_s == pytest.approx(d1.trace_span_s - 300.0)
+    d3 = _derive(trace, n_adapters=5, protocol="E3", weights=parse_weights("uniform"), load_scale=20.0)
+    got = np.bincount(d3.replay.adapter, minlength=5) / d3.replay_window_s
+    np.testing.assert_allclose(got, d3.rates_rps, rtol=0.05)
+
+
+def test_trace_lengths_follow_their_requests(trace):
+    d = _derive(trace, trace_lengths=True, protocol="E2")
+    assert set(d.replay.prompt_tokens.tolist()) <= set(trace.prompt_tokens.tolist())
+    assert d.workload().lengths.kind == "fixed"
+
+
+def test_too_few_requests_is_an_error(trace):
+    with pytest.raises(SpecError, match="fewer than the 10,000 adapters"):
+        _derive(trace, n_adapters=10_000)
+
+
+def test_shipped_trace_golden(data_dir):
+    tr = load_trace(data_dir / "traces" / "azure-llm-2023-conv.csv")
+    assert len(tr) == 19_366
+    d = derive_workload(tr, DeriveOptions(n_adapters=64, load_scale=5.0), 0)
+    assert d.trace_requests == 5 * 19_366
+    assert d.estimation_window_s == 1800.0 and d.replay_window_s == pytest.approx(1702.0)
+    assert 25 < d.aggregate_rate_rps < 31  # ≈ 5 × 5.5 req/s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# replay
+
+
+def _plan(d, profile, groups, weights=None, max_loras=8, rank=16):
+    gpus = []
+    for gi, ids in enumerate(groups):
+        w = weights[gi] if weights else [1.0] * len(ids)
+        gpus.append(GpuPlan(adapters=ids, weights=w, max_loras=min(max_loras, len(ids)), max_lora_rank=rank,
+                            max_cpu_loras=max(len(ids), max_loras), max_num_seqs=2048, max_num_batched_tokens=2048))
+    return Plan(method="hand", model=profile.model, gpu_type=profile.gpu, gpus=gpus)
+
+
+def test_replay_conserves_requests_with_split_adapters(trace, profile):
+    d = _derive(trace, n_adapters=12, rank_set=(8, 16))
+    ids = d.adapter_ids
+    # adapter 0 split 3:1 over GPUs 0 and 1, adapter 1 split 1:1:2 over all three
+    groups = [[ids[0], ids[1], *ids[2:6]], [ids[0], ids[1], *ids[6:9]], [ids[1], *ids[9:]]]
+    weights = [[0.75, 0.25] + [1.0] * 4, [0.25, 0.25] + [1.0] * 3, [0.5] + [1.0] * 3]
+    plan = _plan(d, profile, groups, weights)
+    tasks = split_plan(plan, d, np.random.default_rng(0).random(len(d.replay)))
+    assert sum(len(t.requests) for t in tasks) == len(d.replay)
+    for t in tasks:
+        assert np.all(np.diff(t.requests.t_arr_s) >= 0)
+        assert t.requests.adapter.max() < len(t.adapter_ids)
+    n0 = [int(np.sum(t.requests.adapter == 0)) for t in tasks[:2]]
+    total0 = int(np.sum(d.replay.adapter == 0))
+    assert sum(n0) == total0
+    if total0 >= 40:
+        assert n0[0] / total0 == pytest.approx(0.75, abs=0.15)
+    rep = Replayer(profile, d).replay(plan)
+    assert rep.gpus_used == 3 and sum(g.n_requests for g in rep.gpus) == len(d.replay)
+    assert rep.summary()["requests"] == len(d.replay)
+
+
+def test_replay_flags_oom_and_missing_adapters(trace, profile):
+    d = _derive(trace, n_adapters=6, rank_set=(32,))
+    ids = d.adapter_ids
+    ok = _plan(d, profile, [ids[:3], ids[3:]], rank=32)
+    bad = _plan(d, profile, [ids[:3], ids[3:]], rank=32)
+    bad.gpus[1].max_loras = 2000  # far beyond the rank-32 slot limit: vLLM refuses to start
+    bad.gpus[1].max_cpu_loras = 2000
+    r = Replayer(profile, d)
+    rep_ok, rep_bad = r.replay(ok), r.replay(bad)
+    assert rep_ok.oom_gpus == 0 and rep_bad.oom_gpus == 1 and not rep_bad.clean
+    assert rep_bad.gpus[1].n_completed == 0 and rep_bad.gpus[1].throughput_tok_s == 0
+    assert r.simulated == 3  # GPU 0 of both plans is the same GPU: replayed once
+    with pytest.raises(SpecError, match="routes no GPU"):
+        r.replay(_plan(d, profile, [ids[:3]]))
+
+
+def test_latency_objective_and_fleet_metrics(trace, profile):
+    d = _derive(trace, n_adapters=8, load_scale=3.0)
+    plan = _plan(d, profile, [d.adapter_ids[:4], d.adapter_ids[4:]])
+    loose = Replayer(profile, d).replay(plan, LatencyObjective(max_ttft_s=1e6))
+    tight = Replayer(profile, d).replay(plan, LatencyObjective(max_ttft_s=1e-9))
+    assert loose.latency_violation_gpus == 0 and tight.latency_violation_gpus == 2 and not tight.clean
+    s = loose.summary()
+    g0, g1 = loose.gpus
+    assert s["throughput_tok_s"] == pytest.approx(g0.throughput_tok_s + g1.throughput_tok_s)
+    w = g0.decode_gaps + g1.decode_gaps
+    assert s["itl_mean_ms"] == pytest.approx((g0.itl_mean_ms * g0.decode_gaps + g1.itl_mean_ms * g1.decode_gaps) / w)
+    n = g0.n_completed + g1.n_completed
+    assert s["ttft_mean_s"] == pytest.approx((g0.ttft_mean_s * g0.n_completed + g1.ttft_mean_s * g1.n_completed) / n,
+                                             rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# search and runner
+
+
+@pytest.mark.parametrize("start,threshold", [(1, 5), (5, 5), (9, 5), (3, 3), (7, 2), (4, 40)])
+def test_smallest_clean_pool_finds_the_threshold(start, threshold):
+    class P:
+        def __init__(self, g):
+            self.gpus_used, self.infeasible = g, False
+
+    class R:
+        def __init__(self, g):
+            self.clean = g >= threshold
+
+    best, probes = smallest_clean_pool(P, lambda p: R(p.gpus_used), start, 1, 32)
+    assert best == (threshold if threshold <= 32 else None)
+    assert len(probes) <= 12
+
+
+def _scenario_file(tmp_path: Path, trace_file: Path, body: str) -> Path:
+    p = tmp_path / "sc.yaml"
+    p.write_text(f"trace: {trace_file}\nwindows: {{protocol: E1, split_s: 300}}\n" + body)
+    return p
+
+
+def test_runner_both_protocols(tmp_path, trace_file, monkeypatch):
+    sc = load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: [16, 32]\nload_scale: 4\nfixed_pool: 4\n"
+                                                             "objective: [default, throughput]\nmax_pack: false\n"))
+    assert [s.name for s in sc] == ["sc-r8-16-n16-x4-default", "sc-r8-16-n16-x4-throughput",
+                                    "sc-r8-16-n32-x4-default", "sc-r8-16-n32-x4-throughput"]
+    placer = ToyPlacer()
+    doc = evaluate_scenarios(sc, placer)
+    assert len(doc["scenarios"]) == 4 and not doc["skipped"]
+    for entry in doc["scenarios"]:
+        assert set(entry["methods"]) == {"toy-pack", "toy-deal", "toy-none"}
+        assert entry["methods"]["toy-none"]["infeasible"] is True
+        deal = entry["methods"]["toy-deal"]
+        assert deal["gpus_used"] is None or deal["replay_clean"]
+        for r in entry["methods"].values():
+            assert CONTRACT_KEYS <= set(r)
+    # the throughput scenario shares the derived workload: toy-deal's plans replay from the cache
+    assert doc["scenarios"][1]["replayed_gpus"] >= doc["scenarios"][0]["replayed_gpus"]
+
+
+def test_budget_skips_and_says_so(tmp_path, trace_file):
+    sc = load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: [8, 16, 24]\nmax_pack: false\n"))
+    doc = evaluate_scenarios(sc, ToyPlacer(), methods=("toy-deal",), budget_s=1e-9)
+    assert doc["scenarios"] == [] and len(doc["skipped"]) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scenario files
+
+
+@pytest.mark.parametrize("body,match", [
+    ("n_adapters: 8\nbogus: 1\n", r"sc\.yaml:4: unknown field 'bogus'"),
+    ("n_adapters: 0\n", r"sc\.yaml:3: n_adapters.*>= 1"),
+    ("n_adapters: 8\nweights: pareto\n", r"sc\.yaml:4: weights.*uniform, zipf:S or dirichlet:ALPHA"),
+    ("n_adapters: 8\nload_scale: -1\n", r"sc\.yaml:4: load_scale.*> 0"),
+    ("n_adapters: 8\nranks: [8, 1024]\n", r"sc\.yaml:4: ranks.*between 1 and 512"),
+    ("n_adapters: 8\nmodel: gpt-9\n", r"sc\.yaml:4: model: no shipped profile for model 'gpt-9'"),
+    ("n_adapters: 8\nfixed_pool: 0\n", r"sc\.yaml:4: fixed_pool.*>= 1"),
+    ("n_adapters: [8, 8]\n", r"sc\.yaml:3: n_adapters.*distinct"),
+    ("n_adapters: 8\nobjective: {max_ttft_s: -2}\n", r"sc\.yaml:4: objective"),
+    ("n_adapters: 8\nseed: true\n", r"sc\.yaml:4: seed.*boolean"),
+    ("load_scale: 2\n", r"sc\.yaml:1: missing field 'n_adapters'"),
+])
+def test_scenario_errors_name_file_and_line(tmp_path, trace_file, body, match):
+    with pytest.raises(SpecError, match=match):
+        load_scenarios(_scenario_file(tmp_path, trace_file, body))
+
+
+def test_scenario_trace_problems(tmp_path, trace_file, data_dir):
+    p = tmp_path / "s.yaml"
+    p.write_text("trace: nope.csv\nn_adapters: 8\n")
+    with pytest.raises(SpecError, match=r"s\.yaml:1: trace: file not found"):
+        load_scenarios(p)
+    p.write_text(f"trace: {trace_file}\nn_adapters: 8\nwindows: {{split_s: 5000}}\n")
+    with pytest.raises(SpecError, match=r"s\.yaml:3: windows: split_s 5000"):
+        load_scenarios(p)
+    p.write_text("trace: azure-conv\nn_adapters: 8\nload_scale: 40\n")
+    with pytest.raises(SpecError, match=r"s\.yaml:3: load_scale: ×40 is above ×30"):
+        load_scenarios(p)
+    p.write_text("trace: azure-code\nn_adapters: 8\nranks: [[8, 16], [8, 16, 32]]\nmodel: [llama-3.1-8b-instruct, "
+                 "qwen-2.5-7b-instruct]\n")
+    names = [s.name for s in load_scenarios(p)]
+    assert names == ["s-llama-r8-16-n8-x1", "s-llama-r8-16-32-n8-x1", "s-qwen-r8-16-n8-x1", "s-qwen-r8-16-32-n8-x1"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI and JSON contract
+
+
+def test_cli_json_contract_and_outputs(tmp_path, trace_file, monkeypatch, capsys):
+    import lorapack.evaluate.methods as methods
+    from data_helpers import run_main
+
+    monkeypatch.setattr(methods, "default_placer", lambda *a, **k: ToyPlacer())
+    sc = _scenario_file(tmp_path, trace_file, "n_adapters: [16, 32]\nload_scale: 3\nfixed_pool: 4\nmax_pack: true\n")
+    out = tmp_path / "out"
+    code, stdout, stderr = run_main(monkeypatch, capsys, "evaluate", sc, "--json", "--out", out,
+                                    "--methods", "toy-pack,toy-deal,toy-none")
+    assert code == 0, stderr
+    doc = json.loads(stdout)
+    assert [s["name"] for s in doc["scenarios"]] == ["sc-r8-16-n16-x3", "sc-r8-16-n32-x3"]
+    for s in doc["scenarios"]:
+        assert {"name", "n_adapters", "load_scale", "methods"} <= set(s)
+        for m, r in s["methods"].items():
+            assert CONTRACT_KEYS <= set(r), m
+        assert s["methods"]["toy-none"]["infeasible"] is True
+    assert (out / "results.json").is_file() and (out / "report.md").is_file()
+    assert list((out / "figures").glob("gpus-*.png")) and list((out / "figures").glob("max_pack-*.png"))
+    assert list((out / "plans").glob("*/toy-pack-smallest.json"))
+    report = (out / "report.md").read_text()
+    assert "## Summary" in report and "toy-deal" in report
+
+
+def test_cli_errors_exit_2_without_output(tmp_path, trace_file, monkeypatch, capsys):
+    import lorapack.evaluate.methods as methods
+    from data_helpers import run_main
+
+    monkeypatch.setattr(methods, "default_placer", lambda *a, **k: ToyPlacer())
+    sc = _scenario_file(tmp_path, trace_file, "n_adapters: 8\n")
+    out = tmp_path / "never"
+    for args, match in (((sc, "--methods", "nope", "--out", out), "unknown method 'nope'"),
+                        ((sc, "--budget-s", "0", "--out", out), "--budget-s"),
+                        ((tmp_path / "missing.yaml", "--out", out), "file not found"),
+                        ((sc, "--objective", "fast", "--out", out), "--objective fast")):
+        code, _, stderr = run_main(monkeypatch, capsys, "evaluate", *args)
+        assert code == 2 and match in stderr and "Traceback" not in stderr
+        assert not out.exists()
+
+
+def test_real_placement_methods_on_a_small_scenario(tmp_path, trace_file):
+    """The placement package behind the Placer interface: pool methods searched to a replay-clean pool."""
+    from lorapack.evaluate.placement_api import PlacementPlacer
+
+    sc = load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: 24\nload_scale: 6\nfixed_pool: 2\n"
+                                                             "max_pack: false\nobjective: throughput\n"))
+    doc = evaluate_scenarios(sc, PlacementPlacer(), methods=("least-adapters", "loraserve"))
+    entry = doc["scenarios"][0]
+    for m, r in entry["methods"].items():
+        assert CONTRACT_KEYS <= set(r), m
+        assert r["gpus_used"] is not None and r["replay_clean"], (m, r)
+        assert r["gpus_used"] >= r["lower_bound_gpus"] == entry["lower_bound_gpus_no_nmax"]
+        assert r["starved_gpus"] == 0 and r["oom_gpus"] == 0
+
+
+def test_demo_with_a_toy_placer(tmp_path, monkeypatch, capsys, data_dir):
+    import lorapack.evaluate.methods as methods
+    from data_helpers import run_main
+
+    toy = ToyPlacer(pack=("proposed", "proposed-exact"), deal=("dlora", "loraserve", "least-adapters", "round-robin"))
+    monkeypatch.setattr(methods, "default_placer", lambda *a, **k: toy)
+    out = tmp_path / "demo"
+    code, stdout, stderr = run_main(monkeypatch, capsys, "demo", "--out", out, "--json")
+    assert code == 0, stderr
+    doc = json.loads(stdout)
+    (sc,) = doc["scenarios"]
+    assert sc["n_adapters"] == 128 and set(sc["methods"]) == {"proposed", "dlora", "loraserve", "least-adapters",
+                                                              "round-robin"}
+    assert doc["files"] and (out / "plan.json").is_file() and (out / "serve.sh").is_file()
+    code, stdout, stderr = run_main(monkeypatch, capsys, "demo", "--out", out)
+    assert code == 0 and "Lower bound" in stdout and str(out / "plan.json") in " ".join(stdout.split())
+
+
+@pytest.mark.slow
+def test_demo_end_to_end(tmp_path, monkeypatch, capsys, data_dir):
+    from data_helpers import run_main
+
+    out = tmp_path / "demo"
+    code, stdout, stderr = run_main(monkeypatch, capsys, "demo", "--out", out, "--workers", "1")
+    assert code == 0, stderr
+    text = " ".join(stdout.split())
+    assert "lorapack demo" in text and "Lower bound" in text and "dlora" in text
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["gpus_used"] >= plan["lower_bound_gpus"] >= 1
+
+
+def test_evaluation_doc_script_fills_the_marked_section(tmp_path, trace_file):
+    import importlib.util
+
+    from lorapack.evaluate.report import write_outputs
+
+    sc = load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: [16, 32]\nload_scale: 3\nfixed_pool: 4\n"
+                                                             "objective: [default, throughput]\n"))
+    doc = evaluate_scenarios(sc, ToyPlacer(), methods=("toy-pack", "toy-deal"))
+    write_outputs(doc, tmp_path / "res")
+    md = tmp_path / "evaluation.md"
+    md.write_text("# head\n<!-- results:begin -->\nold\n<!-- results:end -->\ntail\n")
+    spec = importlib.util.spec_from_file_location("evaluation_doc", Path(__file__).parent.parent / "scripts" /
+                                                  "evaluation_doc.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([str(tmp_path / "res"), "--doc", str(md), "--figures", str(tmp_path / "figs")]) == 0
+    text = md.read_text()
+    assert text.startswith("# head\n") and text.endswith("tail\n") and "old" not in text
+    assert "### GPUs used" in text and "toy-deal" in text and "figs/gpus-" in text
+    assert json.loads((tmp_path / "figs" / "results.json").read_text())["scenarios"]
+    assert list((tmp_path / "figs").glob("max_pack-*.png"))

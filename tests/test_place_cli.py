@@ -1,0 +1,132 @@
+"""``lorapack place`` (issue 9, Deliver 4): outputs, the pinned vLLM flags, and bad workloads."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from data_helpers import run_main
+from lorapack.placement.export import VLLM_SERVE_FLAGS, VLLM_VERSION
+from lorapack.spec import example_workload
+
+LLAMA = "llama-3.1-8b-instruct"
+PLAN_KEYS = {"method", "gpus_used", "lower_bound_gpus", "placement_ms", "gpus"}
+GPU_KEYS = {"adapters", "max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens",
+            "predicted", "verified", "incoming_tok_s", "binding"}
+
+
+@pytest.fixture(autouse=True)
+def _no_debug_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LORAPACK_DEBUG", raising=False)
+
+
+def _csv(tmp_path: Path, rows: str, name: str = "adapters.csv") -> Path:
+    p = tmp_path / name
+    p.write_text("adapter_id,rank,rate_rps,path\n" + rows)
+    return p
+
+
+def serve_lines(text: str) -> list[list[str]]:
+    return [shlex.split(line) for line in text.splitlines() if " vllm serve " in line]
+
+
+def test_place_writes_plan_serve_and_routes(tmp_path, monkeypatch, capsys) -> None:
+    wl = _csv(tmp_path, "".join(f"a{i},{8 if i % 2 else 16},{0.05 + 0.01 * i},/lora/a{i}\n" for i in range(12))
+              + "no-path,8,0.1,\n")
+    out = tmp_path / "out"
+    code, stdout, err = run_main(monkeypatch, capsys, "place", wl, "--model", LLAMA, "--method", "proposed-exact",
+                                 "--out", out, "--json")
+    assert code == 0, err
+    plan = json.loads(stdout)
+    assert PLAN_KEYS <= set(plan) and plan["method"] == "proposed-exact"
+    assert plan["gpus_used"] == len(plan["gpus"]) >= plan["lower_bound_gpus"] >= 1
+    for g in plan["gpus"]:
+        assert GPU_KEYS <= set(g)
+        assert g["verified"]["passed"] and g["verified"]["seeds"] == 3 and len(g["verified"]["per_seed"]) == 3
+    assert json.loads((out / "plan.json").read_text())["gpus"] == plan["gpus"]
+    # routes: every adapter, weights summing to 1, a URL per GPU
+    routes = json.loads((out / "routes.json").read_text())
+    assert set(routes) == {f"a{i}" for i in range(12)} | {"no-path"}
+    for lst in routes.values():
+        assert sum(r["weight"] for r in lst) == pytest.approx(1.0)
+        assert all(r["url"].startswith("http://localhost:80") and r["url"].endswith("/v1") for r in lst)
+    # serve.sh: one vllm serve line per GPU, only pinned vLLM 0.8.5 flags, every adapter with its path
+    text = (out / "serve.sh").read_text()
+    assert VLLM_VERSION == "0.8.5" and f"vLLM {VLLM_VERSION}" in text
+    lines = serve_lines(text)
+    assert len(lines) == plan["gpus_used"]
+    for words, g in zip(lines, plan["gpus"], strict=True):
+        flags = [w for w in words if w.startswith("--")]
+        assert set(flags) <= set(VLLM_SERVE_FLAGS), set(flags) - set(VLLM_SERVE_FLAGS)
+        for f in ("--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--max-num-seqs",
+                  "--max-num-batched-tokens", "--max-model-len", "--port", "--lora-modules"):
+            assert f in flags, f
+        assert words[words.index("--max-loras") + 1] == str(g["max_loras"])
+        assert any(w.startswith("CUDA_VISIBLE_DEVICES=") for w in words)
+        mods = words[words.index("--lora-modules") + 1:]
+        assert [m.split("=", 1)[0] for m in mods] == g["adapters"]  # registration order
+    assert "'a0=/lora/a0'" in text or "a0=/lora/a0" in text
+    assert "no-path=" in text and '"$LORA_DIR"' in text
+    if shutil.which("bash"):
+        assert subprocess.run(["bash", "-n", str(out / "serve.sh")]).returncode == 0
+
+
+@pytest.mark.parametrize("rows, match", [
+    ("a,8,0.1,\na,16,0.1,\n", "duplicate id 'a'"),
+    ("a,600,0.1,\n", "rank 600"),
+    ("a,0,0.1,\n", "rank"),
+    ("a,8,0,\n", "rate_rps 0.0"),
+    ("a,8,-1,\n", "rate_rps"),
+    ("", "no adapters"),
+])
+def test_bad_workloads_exit_2_with_one_line_and_write_nothing(tmp_path, monkeypatch, capsys, rows, match) -> None:
+    wl = _csv(tmp_path, rows)
+    out = tmp_path / "out"
+    code, stdout, err = run_main(monkeypatch, capsys, "place", wl, "--model", LLAMA, "--method", "proposed-exact",
+                                 "--out", out)
+    assert code == 2, (stdout, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], err
+    assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("args, match", [
+    (("--method", "best-fit"), "--method 'best-fit'"),
+    (("--gpus", "0", "--method", "dlora"), "--gpus 0"),
+    (("--headroom", "-1"), "--headroom"),
+    (("--max-ttft-s", "0"), "--max-ttft-s"),
+    (("--out", "FILE"), "not a directory"),
+    (("--out", "missing/deeper"), "does not exist"),
+])
+def test_bad_options_exit_2_before_any_work(tmp_path, monkeypatch, capsys, args, match) -> None:
+    (tmp_path / "FILE").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    code, stdout, err = run_main(monkeypatch, capsys, "place", example_workload(), "--model", LLAMA, *args)
+    assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_pool_too_small_says_how_many_gpus_are_needed(tmp_path, monkeypatch, capsys) -> None:
+    # 24 adapters at 2 req/s (x 1.2 headroom: 57.6 req/s, ~24 k tok/s): more than one GPU serves
+    wl = _csv(tmp_path, "".join(f"h{i},8,2.0,\n" for i in range(24)))
+    code, stdout, err = run_main(monkeypatch, capsys, "place", wl, "--model", LLAMA, "--method", "proposed-exact",
+                                 "--gpus", "1", "--out", tmp_path / "out")
+    assert code == 2 and "needs at least" in err and "1 given" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_states_the_defaults() -> None:
+    from typer.testing import CliRunner
+
+    from lorapack.cli import app
+
+    res = CliRunner().invoke(app, ["place", "--help"])
+    text = " ".join(res.stdout.split())
+    for word in ("--gpus", "--method", "--models", "--out", "--json", "--headroom", "Default 0.2",
+                 "--objective", "--max-ttft-s", "--max-itl-ms", "--max-ttft-p99-s", "--max-itl-p99-ms",
+                 "--no-verify", "--split-hot", "proposed-exact", "round-robin"):
+        assert word in text, word

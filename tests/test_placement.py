@@ -1,0 +1,388 @@
+"""Placement (issue 9): the greedy driver, the baselines, the lower bound and plan invariants (placement.md §7).
+
+Toy oracles (``placement_helpers.ToyOracle``: starved iff Σλ > c) make every expected plan computable by hand;
+the twin appears only in the few end-to-end tests at the bottom."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lorapack.errors import SpecError
+from lorapack.oracle import default_slot_rank
+from lorapack.placement import METHODS, Objective, lower_bound, place, zigzag_order
+from lorapack.placement.baselines import dlora, hamilton, least_adapters, loraserve
+from lorapack.placement.greedy import GreedyOptions, Infeasible, greedy_fill
+from placement_helpers import LLAMA, TAU, ToyOracle, instance, toy_capacity, toy_kwargs
+
+THR = Objective.throughput()
+
+
+def fill(inst, oracle, **kw):
+    return greedy_fill(inst, LLAMA, oracle, kw.pop("objective", THR), **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ordering
+
+
+def test_zigzag_alternates_largest_and_smallest_within_descending_rank_groups() -> None:
+    assert zigzag_order(np.full(5, 8), np.array([1.0, 2, 3, 4, 5]), list("abcde")).tolist() == [4, 0, 3, 1, 2]
+    # ties broken by id, not by position
+    order = zigzag_order(np.full(4, 8), np.ones(4), ["d", "b", "c", "a"])
+    assert order.tolist() == [0, 3, 2, 1]  # ascending by id: a(3) b(1) c(2) d(0); zig-zag: d a c b
+    # rank groups in descending rank, each zig-zagged on its own
+    ranks = np.array([8, 32, 8, 16, 32])
+    order = zigzag_order(ranks, np.array([1.0, 1.0, 2.0, 1.0, 3.0]), list("abcde"))
+    assert order.tolist() == [4, 1, 3, 2, 0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the greedy driver with a toy oracle: hand-computed plans
+
+
+def test_failure_at_a_testing_point_closes_the_gpu_and_the_last_one_is_padded() -> None:
+    # 20 adapters at 1 req/s, a GPU serves 12 req/s: 8 pass, 16 fail -> 8, 8, then 4 padded to 8 (Σ 8) pass
+    inst = instance(np.ones(20))
+    gpus = fill(inst, ToyOracle(12.0))
+    order = zigzag_order(inst.ranks, inst.rates_rps, inst.adapter_ids).tolist()
+    assert [g.entries for g in gpus] == [order[0:8], order[8:16], order[16:20]]
+    assert [g.max_loras for g in gpus] == [8, 8, 4]  # A clipped to the adapter count
+    assert [g.binding for g in gpus] == ["slots", "slots", "none"]
+
+
+def test_give_back_keeps_the_original_order_and_the_padded_test_counts_to_the_testing_point() -> None:
+    # rates 1..12, c = 60: the first 8 (52 req/s) pass; 12 padded to 16 with the mean 6.5 -> 104 fail; the 4
+    # given back (rates 8, 5, 7, 6, in that order) padded to 8: 26 + 4 x 6.5 = 52 pass on the next GPU
+    inst = instance(np.arange(1.0, 13.0))
+    toy = ToyOracle(60.0, cheap=False)
+    gpus = fill(inst, toy)
+    assert [g.entries for g in gpus] == [[11, 0, 10, 1, 9, 2, 8, 3], [7, 4, 6, 5]]
+    assert (16, 8, pytest.approx(104.0)) in toy.asked  # exactly T entries (the paper's code over-pads)
+    assert (8, 8, pytest.approx(52.0)) in toy.asked[-2:]
+
+
+def test_max_loras_moves_one_grid_step_per_testing_point_and_follows_the_throughput() -> None:
+    # the toy prefers A = 16 by 1 % (beyond the 0.5 % tie tolerance): 8 -> 16, then stays at 16
+    inst = instance(np.full(40, 0.1))
+    toy = ToyOracle(100.0, prefer_a=16, cheap=False)
+    gpus = fill(inst, toy)
+    assert len(gpus) == 1 and gpus[0].max_loras == 16
+    assert [(n, a) for n, a, _ in toy.asked] == [(8, 8), (16, 8), (16, 16), (32, 16), (32, 32), (64, 16), (64, 32)]
+
+
+def test_ties_take_the_larger_max_loras() -> None:
+    gpus = fill(instance(np.full(40, 0.1)), ToyOracle(100.0))
+    assert gpus[0].max_loras == 40  # 8 -> 16 -> 32 -> 64 (padded test), clipped to the 40 adapters
+
+
+def test_lookahead_and_lazy_questions_give_the_same_plan() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        inst = instance(np.minimum(rng.lognormal(-1, 1, 200), 8.0), rng.choice([8, 16, 32], 200))
+        a = fill(inst, ToyOracle(9.0, prefer_a=32, cheap=True))
+        b = fill(inst, ToyOracle(9.0, prefer_a=32, cheap=False))
+        assert [(g.entries, g.max_loras) for g in a] == [(g.entries, g.max_loras) for g in b]
+
+
+def test_pool_exhaustion_and_the_guard() -> None:
+    inst = instance(np.ones(20))
+    with pytest.raises(Infeasible, match="pool of 2 GPUs is exhausted") as e:
+        fill(inst, ToyOracle(12.0), pool=2)
+    assert e.value.gpus_needed == 3
+    # an adapter hotter than a GPU fails the first test with nothing committed: raise, never loop
+    hot = instance([20.0] + [0.1] * 10)
+    with pytest.raises(Infeasible, match="split-hot") as e:
+        fill(hot, ToyOracle(12.0))
+    assert e.value.hot == ("a000",)
+
+
+def test_memory_rule_caps_max_loras_for_rank_32() -> None:
+    # rank 32 on the llama profile: A <= 119 starts, so the grid stops at 96 however many adapters
+    inst = instance(np.full(300, 0.01), np.full(300, 32))
+    toy = ToyOracle(100.0, cheap=False)
+    gpus = fill(inst, toy)
+    assert max(a for _, a, _ in toy.asked) == 96
+    assert all(g.max_loras <= 96 for g in gpus) and LLAMA.startup(96, 32)[0] and not LLAMA.startup(128, 32)[0]
+
+
+def test_testing_points_stop_at_n_max() -> None:
+    gpus = fill(instance(np.full(500, 0.001)), ToyOracle(100.0), options=GreedyOptions(n_max=128))
+    assert [len(g.entries) for g in gpus] == [128, 128, 128, 116]
+    assert gpus[0].binding == "adapters"
+
+
+def test_the_greedy_never_loses_to_a_balanced_plan_its_oracle_accepts() -> None:
+    # first-fit leaves 8, 8, 4; dealt evenly, 10 + 10 fit two GPUs: the plan takes the balanced one
+    plan = place(instance(np.ones(20)), LLAMA, "proposed", objective=THR, **toy_kwargs(12.0))
+    assert plan.gpus_used == 2 and plan.diagnostics["plan_origin"] in ("round-robin", "balanced")
+    assert plan.diagnostics["greedy_gpus"] == 3
+    # the same on a fixed pool of 2, where first-fit alone runs out of GPUs
+    plan = place(instance(np.ones(20)), LLAMA, "proposed", gpus=2, objective=THR, **toy_kwargs(12.0))
+    assert not plan.infeasible and plan.gpus_used == 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# baselines
+
+
+def test_hamilton_apportionment() -> None:
+    assert hamilton({32: 0.5, 16: 1.2, 8: 2.3}, 4) == {32: 1, 16: 1, 8: 2}
+    assert hamilton({32: 1.5, 16: 1.5}, 3) == {32: 2, 16: 1}  # tie: larger rank first
+    assert hamilton({32: 0.0, 8: 3.0}, 3) == {32: 0, 8: 3}
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        w = rng.dirichlet(np.ones(3))
+        g = int(rng.integers(1, 20))
+        out = hamilton(dict(zip((8, 16, 32), w * g, strict=True)), g)
+        assert sum(out.values()) == g and all(abs(out[k] - v) < 1 for k, v in zip((8, 16, 32), w * g, strict=True))
+
+
+def test_loraserve_loads_stay_within_capacity_except_leftovers() -> None:
+    rng = np.random.default_rng(1)
+    inst = instance(rng.lognormal(-1, 1.2, 120), rng.choice([8, 16, 32], 120))
+    op = {8: 15000.0, 16: 14700.0, 32: 14500.0}
+    a = loraserve(inst, 4, op)
+    target = a.extra["target_util"]
+    for f in a.gpus:
+        shares = f.extra.get("shares") or [1.0] * len(f.entries)
+        load = float(np.sum(inst.demand_tok_s[f.entries] * np.asarray(shares)))
+        rank = default_slot_rank(int(inst.ranks[f.entries].max()))
+        if a.extra["leftovers"] == 0:
+            assert load <= target * op[rank] * (1 + 1e-9)
+    total: dict[int, float] = {}
+    for f in a.gpus:
+        for e, s in zip(f.entries, f.extra.get("shares") or [1.0] * len(f.entries), strict=True):
+            total[e] = total.get(e, 0.0) + s
+    assert sorted(total) == list(range(inst.n)) and all(v == pytest.approx(1.0) for v in total.values())
+
+
+def test_dlora_terminates_with_enough_replicas_on_every_adapter() -> None:
+    rng = np.random.default_rng(2)
+    for m, g in ((30, 4), (7, 3), (200, 8), (1, 2)):
+        inst = instance(rng.lognormal(-2, 1, m))
+        a = dlora(inst, LLAMA, g)
+        seen = [e for f in a.gpus for e in f.entries]
+        assert set(seen) == set(range(m))
+        assert a.extra["replicas"] == len(seen) >= min(g + m - 1, g * m)
+        for f in a.gpus:
+            assert len(set(f.entries)) == len(f.entries)  # at most one replica per GPU
+
+
+def test_least_adapters_balances_the_adapter_count() -> None:
+    a = least_adapters(instance(np.ones(10)), 3)
+    assert [f.entries for f in a.gpus] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert [f.max_loras for f in a.gpus] == [4, 3, 3]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# lower bound
+
+
+def _brute_force_gpus(demand: list[float], slot: list[int], k: dict[int, float], n_max: int) -> float:
+    """Fewest groups such that each group's demand <= K(its largest slot rank) and size <= n_max."""
+    n = len(demand)
+    best = math.inf  # no plan at all when one adapter alone exceeds every capacity
+    for labels in itertools.product(range(n), repeat=n):
+        if any(labels[i] > max(labels[:i], default=-1) + 1 for i in range(n)):
+            continue  # canonical labelling only
+        groups = [[i for i in range(n) if labels[i] == g] for g in range(max(labels) + 1)]
+        if all(len(gr) <= n_max and sum(demand[i] for i in gr) <= k[max(slot[i] for i in gr)] + 1e-9
+               for gr in groups):
+            best = min(best, len(groups))
+    return best
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.5, 9.0), st.sampled_from([8, 16])), min_size=1, max_size=6),
+       st.integers(1, 4))
+def test_lower_bound_never_exceeds_the_brute_force_optimum(adapters, n_max) -> None:
+    rates = [r for r, _ in adapters]
+    ranks = [k for _, k in adapters]
+    inst = instance(rates, ranks)
+    cap = {8: 10.0, 16: 8.0}  # req/s a GPU of that slot rank serves
+    b = lower_bound(inst, capacity=lambda s: 0.9 * cap[s] * TAU, n_max=n_max)
+    opt = _brute_force_gpus([r * TAU for r in rates], ranks, {s: c * TAU for s, c in cap.items()}, n_max)
+    assert b.gpus <= opt and b.gpus_no_nmax <= b.gpus
+    assert bool(b.hot_adapters) == (opt == math.inf)
+    assert b.count_bound <= b.gpus and b.throughput_bound <= b.gpus_no_nmax
+
+
+def test_lower_bound_reports_hot_adapters() -> None:
+    b = lower_bound(instance([30.0, 1.0]), capacity=toy_capacity(12.0))
+    assert b.hot_adapters == ["a000"]
+    plan = place(instance([30.0, 1.0]), LLAMA, "proposed", **toy_kwargs(12.0))
+    assert plan.infeasible and "split-hot" in plan.reason and "a000" in plan.reason
+    split = place(instance([30.0, 1.0]), LLAMA, "proposed", split_hot=True, **toy_kwargs(12.0))
+    assert not split.infeasible
+    routes = split.routes()
+    assert len(routes["a000"]) >= 3 and sum(w for _, w in routes["a000"]) == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# invariants of every method on random instances
+
+
+@st.composite
+def instances(draw):
+    n = draw(st.integers(1, 80))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    rates = np.minimum(rng.lognormal(-1.5, 1.2, n), 8.0)
+    ranks = rng.choice([8, 16, 32], n)
+    return instance(rates, ranks)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(), st.sampled_from(METHODS), st.sampled_from([None, 3]))
+def test_invariants_of_every_method(inst, method, pool) -> None:
+    plan = place(inst, LLAMA, method, gpus=pool, objective=THR, **toy_kwargs(10.0))
+    if plan.infeasible:
+        assert pool is not None and plan.reason
+        return
+    routes = plan.routes()
+    assert sorted(routes) == sorted(set(inst.adapter_ids))  # every adapter placed
+    for lst in routes.values():
+        assert sum(w for _, w in lst) == pytest.approx(1.0)
+        assert len({g for g, _ in lst}) == len(lst)
+    rank = dict(zip(inst.adapter_ids, inst.ranks.tolist(), strict=True))
+    for g in plan.gpus:
+        assert g.adapters and 1 <= g.max_loras <= len(g.adapters) and g.max_cpu_loras >= g.max_loras
+        assert g.max_lora_rank >= max(rank[a] for a in g.adapters)
+        assert g.verified is not None and g.verified.passed  # verification (toy) passed
+        if method.startswith("proposed"):
+            assert LLAMA.startup(g.max_loras, g.max_lora_rank)[0]
+            assert len(g.adapters) <= 384
+    # the bound never exceeds a verified plan's GPU count
+    assert plan.lower_bound_gpus is not None and plan.lower_bound_gpus <= plan.gpus_used
+    if pool is not None:
+        assert plan.gpus_used <= pool
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_proposed_never_uses_more_gpus_than_round_robin(inst) -> None:
+    rr = place(inst, LLAMA, "round-robin", objective=THR, verify=False, **toy_kwargs(10.0))
+    pr = place(inst, LLAMA, "proposed", objective=THR, verify=False, **toy_kwargs(10.0))
+    assert not pr.infeasible
+    assert rr.infeasible or pr.gpus_used <= rr.gpus_used
+
+
+def test_plans_are_deterministic() -> None:
+    rng = np.random.default_rng(5)
+    inst = instance(rng.lognormal(-1, 1, 150), rng.choice([8, 16], 150))
+    for method in METHODS:
+        a = place(inst, LLAMA, method, objective=THR, **toy_kwargs(9.0)).to_dict()
+        b = place(inst, LLAMA, method, objective=THR, **toy_kwargs(9.0)).to_dict()
+        for d in (a, b):
+            d.pop("placement_ms"), d.pop("verification_ms")
+            d["lower_bound"].pop("solve_ms")
+        assert a == b, method
+
+
+def test_bad_input_is_refused_before_any_work() -> None:
+    from lorapack.placement import make_instance
+
+    kw = dict(mean_input_tokens=223, mean_output_tokens=197)
+    for ids, ranks, rates, msg in (
+        ([], [], [], "no adapters"),
+        (["a", "a"], [8, 8], [1.0, 1.0], "duplicate adapter_id 'a'"),
+        (["a"], [0], [1.0], "rank 0"),
+        (["a"], [600], [1.0], "rank 600"),
+        (["a"], [8.5], [1.0], "rank 8.5"),
+        (["a"], [8], [0.0], "rate_rps 0.0"),
+        (["a"], [8], [-1.0], "rate_rps -1.0"),
+        (["a"], [8], [math.nan], "rate_rps nan"),
+    ):
+        with pytest.raises(SpecError, match=msg):
+            make_instance(ids, ranks, rates, **kw)
+    with pytest.raises(SpecError, match="--headroom"):
+        make_instance(["a"], [8], [1.0], headroom=-0.1, **kw)
+    with pytest.raises(SpecError, match="--method"):
+        place(instance([1.0]), LLAMA, "best-fit")
+    with pytest.raises(SpecError, match="--gpus"):
+        place(instance([1.0]), LLAMA, "proposed", gpus=0)
+    with pytest.raises(SpecError, match="max-ttft-s"):
+        Objective(max_ttft_s=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# verification and repair
+
+
+def _repair_case(strict_cap: float, pool: int | None = None):
+    # the method's oracle believes a GPU serves 12 req/s, the verifier (and the repair's probes) less: the
+    # greedy places 20 adapters at 1.25 req/s as 8 + 8 + 4 (10, 10 and 5 req/s)
+    strict = ToyOracle(strict_cap)
+    return place(instance(np.full(20, 1.25)), LLAMA, "proposed", gpus=pool, objective=THR, oracle=ToyOracle(12.0),
+                 search_oracle=strict, verify_oracle=strict, capacity=toy_capacity(strict_cap), workers=1)
+
+
+def test_repair_moves_the_last_added_adapters_to_another_gpu() -> None:
+    # verifier at 9 req/s: GPUs 0 and 1 keep their first 7 adapters, the two moved ones fit on GPU 2
+    plan = _repair_case(9.0)
+    order = zigzag_order(np.full(20, 8), np.full(20, 1.25), [f"a{i:03d}" for i in range(20)])
+    ids = [f"a{i:03d}" for i in order]
+    assert [g.adapters for g in plan.gpus] == [ids[0:7], ids[8:15], ids[16:20] + [ids[7], ids[15]]]
+    v = plan.verification
+    assert v["passed"] and v["gpus_added"] == 0 and v["moved_adapters"] == 2 and v["gpus_cut"] == 2
+    assert all(g.verified.passed for g in plan.gpus) and plan.gpus[0].binding == "throughput"
+
+
+def test_repair_opens_new_gpus_or_says_how_many_the_pool_lacks() -> None:
+    # verifier at 6 req/s: 4 adapters per GPU; the 8 moved ones need two new GPUs (the bound is 5 too)
+    plan = _repair_case(6.0)
+    assert plan.verification["passed"] and plan.verification["gpus_added"] == 2
+    assert plan.gpus_used == 5 == plan.lower_bound_gpus
+    assert sorted(plan.routes()) == [f"a{i:03d}" for i in range(20)]
+    plan = _repair_case(6.0, pool=3)
+    assert plan.infeasible and "needs at least 5 GPUs, 3 given" in plan.reason
+    assert plan.settings["gpus_needed"] == 5
+
+
+def test_repair_lowers_max_loras_that_vllm_refuses() -> None:
+    # dlora keeps every adapter resident: 300 rank-16 adapters on one GPU exceed the slots vLLM can start
+    inst = instance(np.full(300, 0.01), np.full(300, 16))
+    plan = place(inst, LLAMA, "dlora", gpus=1, objective=THR, **toy_kwargs(50.0))
+    g = plan.gpus[0]
+    assert not plan.infeasible and LLAMA.startup(g.max_loras, g.max_lora_rank)[0] and g.max_loras < 300
+    assert plan.verification["max_loras_lowered"] == 1 and len(g.adapters) == 300
+    raw = place(inst, LLAMA, "dlora", gpus=1, objective=THR, verify=False, **toy_kwargs(50.0))
+    assert raw.gpus[0].max_loras == 300 and not raw.verification
+
+
+# ---------------------------------------------------------------------------------------------------------
+# with the twin (slow)
+
+
+@pytest.mark.slow
+def test_capacity_is_an_upper_bound_on_a_saturated_multi_adapter_gpu() -> None:
+    # §5's monotonicity assumption on the twin's estimators: more adapters and slots only cost throughput
+    from lorapack.oracle import GpuCandidate, TwinOracle
+    from lorapack.placement.bound import simulate_capacity_tok_s
+
+    c8 = simulate_capacity_tok_s(LLAMA, 8, 223, 197)
+    c16 = simulate_capacity_tok_s(LLAMA, 16, 223, 197)
+    assert c16 <= c8
+    twin = TwinOracle(seeds=(0,), duration_s=1800, early_stop=False)
+    for n, a in ((8, 8), (64, 32), (128, 128)):
+        cand = GpuCandidate(profile=LLAMA, ranks=np.full(n, 8), rates_rps=np.full(n, 80.0 / n), max_loras=a)
+        assert twin.predict([cand])[0].throughput_tok_s <= c8
+
+
+@pytest.mark.slow
+def test_twin_plans_respect_the_bound_and_pass_verification() -> None:
+    rng = np.random.default_rng(11)
+    inst = instance(rng.dirichlet(np.full(96, 0.5)) * 40.0 + 1e-3, rng.choice([8, 16], 96))
+    for method in ("proposed-exact", "least-adapters"):
+        plan = place(inst, LLAMA, method, workers=1)
+        assert not plan.infeasible, plan.reason
+        assert plan.verification["passed"] and all(g.verified.passed for g in plan.gpus)
+        assert plan.lower_bound_gpus <= plan.gpus_used
+        assert all(g.verified.ttft_s <= 2.0 for g in plan.gpus)
+        assert sorted(plan.routes()) == sorted(inst.adapter_ids)
