@@ -36,7 +36,7 @@ models: $(STAMP)
 # the evaluate study of issue 9 (144 scenarios; niced: the machine is shared), then its tables into the docs
 evaluate: $(STAMP)
 	nice -n 10 $(BIN)/lorapack evaluate studies/evaluate/llama.yaml studies/evaluate/qwen.yaml \
-		--out results/evaluate --workers 2 $(EVALUATE_ARGS)
+		--out results/evaluate --jobs 2 --workers 1 $(EVALUATE_ARGS)
 	$(BIN)/python scripts/evaluation_doc.py results/evaluate
 
 bench: $(STAMP)

@@ -397,3 +397,24 @@ def test_evaluation_doc_script_fills_the_marked_section(tmp_path, trace_file):
     assert "### GPUs used" in text and "toy-deal" in text and "figs/gpus-" in text
     assert json.loads((tmp_path / "figs" / "results.json").read_text())["scenarios"]
     assert list((tmp_path / "figs").glob("max_pack-*.png"))
+
+
+def test_jobs_give_the_same_results(tmp_path, trace_file, monkeypatch, capsys):
+    import lorapack.evaluate.methods as methods
+    from data_helpers import run_main
+
+    monkeypatch.setattr(methods, "default_placer", lambda *a, **k: ToyPlacer())
+    sc = _scenario_file(tmp_path, trace_file, "n_adapters: [16, 24, 32]\nload_scale: 3\nmax_pack: false\n"
+                                              "objective: [default, throughput]\n")
+    docs = []
+    for jobs in ("1", "2"):
+        code, stdout, stderr = run_main(monkeypatch, capsys, "evaluate", sc, "--json", "--jobs", jobs,
+                                        "--methods", "toy-pack,toy-deal")
+        assert code == 0, stderr
+        docs.append(json.loads(stdout))
+    strip = [[{k: v for k, v in s.items()} for s in d["scenarios"]] for d in docs]
+    for a, b in zip(*strip, strict=True):
+        for m in a["methods"]:
+            a["methods"][m].pop("placement_ms")
+            b["methods"][m].pop("placement_ms")
+    assert strip[0] == strip[1] and len(strip[0]) == 6

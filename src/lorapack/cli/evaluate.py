@@ -46,7 +46,10 @@ def evaluate(
         "--budget-s", help="Stop starting new work after T seconds; the report lists what was skipped.")] = None,
     objective: Annotated[str | None, typer.Option(
         "--objective", help="Override the files' objective: default (latency objective) | throughput.")] = None,
-    workers: Annotated[int, typer.Option(help="Processes for parallel GPU replays (0 = all cores).")] = 1,
+    workers: Annotated[int, typer.Option(
+        help="Processes for twin runs inside one scenario: GPU replays, verification (0 = all cores).")] = 1,
+    jobs: Annotated[int, typer.Option(
+        help="Scenario groups (scenarios sharing a workload) evaluated in parallel processes.")] = 1,
     max_pack: Annotated[bool, typer.Option("--max-pack/--no-max-pack",
                                            help="Single-GPU Max_pack curves (where the files ask for them).")] = True,
     json_out: JsonOpt = False,
@@ -63,6 +66,8 @@ def evaluate(
 
     if budget_s is not None and (not math.isfinite(budget_s) or budget_s <= 0):
         raise SpecError(f"--budget-s {budget_s}: expected a positive number of seconds")
+    if jobs < 1:
+        raise SpecError(f"--jobs {jobs}: expected an integer >= 1")
     if workers < 0:
         raise SpecError(f"--workers {workers}: expected an integer >= 0 (0 = all cores)")
     if objective is not None and objective not in OBJECTIVE_NAMES:
@@ -98,31 +103,41 @@ def evaluate(
     from ..twin.engine import warm_up
 
     warm_up()
-
-    def save_partial(doc_so_far: dict) -> None:
-        if out is not None:
-            write_results(doc_so_far, out)
-
     partial: dict = {"scenarios": []}
 
-    def on_scenario(entry: dict) -> None:
+    def on_scenario(entry: dict) -> None:  # results.json grows as scenarios finish
         partial["scenarios"].append({k: v for k, v in entry.items() if k != "plans"})
-        save_partial(partial)
+        if out is not None:
+            write_results(partial, out)
 
-    with PoolMapper(workers_n) as mapper:
-        if json_out:
-            doc = evaluate_scenarios(scs, placer, meths, budget_s, mapper, on_scenario=on_scenario,
-                                     keep_plans=out is not None)
+    from contextlib import nullcontext
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    bar = (nullcontext() if json_out else
+           Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=True))
+    with bar:
+        task = bar.add_task("evaluate", total=n_units) if not json_out else None
+
+        def on_step(text: str, done: int) -> None:
+            if task is not None:
+                bar.update(task, description=text, advance=done)
+
+        if jobs > 1:
+            from ..evaluate.jobs import evaluate_parallel
+
+            def on_group(d: dict) -> None:
+                for entry in d["scenarios"]:
+                    on_scenario(entry)
+                    on_step(f"{entry['name']} done", len(entry["methods"]))
+                for k in d["skipped"]:
+                    on_step(f"skipped {k['scenario']}", len(k["methods"]) if k["what"] != "max_pack" else 0)
+
+            doc = evaluate_parallel(scs, meths, budget_s, jobs, workers_n, keep_plans=out is not None,
+                                    on_group=on_group)
         else:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-            with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                          TimeElapsedColumn(), console=console, transient=True) as bar:
-                task = bar.add_task("evaluate", total=n_units)
-
-                def on_step(text: str, done: int) -> None:
-                    bar.update(task, description=text, advance=done)
-
+            with PoolMapper(workers_n) as mapper:
                 doc = evaluate_scenarios(scs, placer, meths, budget_s, mapper, on_step=on_step,
                                          on_scenario=on_scenario, keep_plans=out is not None)
     files = write_outputs(doc, out) if out is not None else {}

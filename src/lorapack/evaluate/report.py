@@ -18,6 +18,7 @@ from .runner import CONTRACT_KEYS
 
 BASELINES = ("dlora", "loraserve", "least-adapters", "round-robin", "proposed-lat")
 PROPOSED = "proposed"
+VERIFIED = ("proposed", "proposed-fast", "proposed-exact")
 PAPER_SAVING = 0.60
 GAP_GPUS, GAP_FRAC, GAP_MAX_N, GAP_TARGET = 1, 0.05, 256, 0.90
 
@@ -37,7 +38,7 @@ def contract_json(doc: dict[str, Any]) -> dict[str, Any]:
         methods = {}
         for m, r in sc["methods"].items():
             row = {k: r.get(k) for k in keys}
-            row.update({k: r[k] for k in extra if k in r and r[k] is not None and r[k] is not False})
+            row.update({k: r[k] for k in extra if r.get(k) is not None})
             methods[m] = row
         item = {"name": sc["name"], "n_adapters": sc["n_adapters"], "load_scale": sc["load_scale"],
                 "model": sc["scenario"]["model"], "ranks": sc["scenario"]["ranks"],
@@ -79,7 +80,7 @@ def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
         g = sc["methods"][method].get("gpus_used")
         for b in BASELINES:
             r = sc["methods"].get(b)
-            if r is None or g is None:
+            if r is None or g is None or r.get("error"):
                 continue
             gb = r.get("gpus_used")
             if gb is None:  # no replay-clean pool (or infeasible): the method wins
@@ -90,13 +91,21 @@ def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
                 ties[b] += 1
             else:
                 fewer[b] += 1
-    out["vs_baselines"] = {"more_gpus": more, "ties": dict(ties), "fewer": dict(fewer)}
+    lost = []
+    for sc in rows:
+        if sc in planned:
+            continue
+        have = [b for b in BASELINES if (sc["methods"].get(b) or {}).get("gpus_used") is not None]
+        if have:
+            lost.append({"scenario": sc["name"], "baselines": have})
+    out["vs_baselines"] = {"more_gpus": more, "ties": dict(ties), "fewer": dict(fewer),
+                           "no_plan_where_baseline_has_one": lost}
     savings: dict[str, Any] = {}
     for b in ("dlora", "loraserve"):
         pairs = []
         for sc in rows:
             mine, theirs = sc["methods"][method], sc["methods"].get(b)
-            if theirs is None:
+            if theirs is None or theirs.get("error"):
                 continue
             g, gb = mine.get("gpus_used_fixed_pool"), theirs.get("gpus_used_fixed_pool")
             if g is not None and gb:
@@ -144,6 +153,11 @@ def _method_row(m: str, r: dict[str, Any]) -> list[str]:
             _f(r.get("placement_ms"), 2), "–" if added is None else f"+{added}"]
 
 
+LEGEND = ("GPUs = smallest pool whose replay is clean (no refused GPU, none starved, every GPU within the latency "
+          "objective; searched for the pool methods, the method's own count for the greedy ones); `N!` = a plan "
+          "whose replay is not clean (a greedy method's own plan, or any fixed-pool plan); `none` = no clean pool up "
+          "to the search cap; `inf.` = the method declared the workload infeasible; `err.` = the method could not "
+          "run; LB = lower bound with the N_max row (without it in parentheses when lower).\n")
 METHOD_COLUMNS = ("method", "GPUs (smallest, clean)", "clean", "gap", "GPUs fixed pool", "starved", "OOM",
                   "latency viol.", "thr tok/s", "ITL ms", "TTFT mean / p99 s", "place ms", "verify")
 
@@ -155,15 +169,22 @@ def _table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> str:
 
 
 def summary_markdown(doc: dict[str, Any]) -> str:
-    """The acceptance summary as Markdown bullets."""
-    a = acceptance(doc)
+    """The acceptance figures of every verified greedy method that ran, as Markdown bullets."""
+    blocks = [_method_summary(doc, m) for m in VERIFIED]
+    blocks = [b for b in blocks if b]
+    return "\n\n".join(blocks) if blocks else "No scenario ran a verified greedy method (" + ", ".join(
+        f"`{m}`" for m in VERIFIED) + ")."
+
+
+def _method_summary(doc: dict[str, Any], method: str) -> str:
+    a = acceptance(doc, method)
     if not a.get("scenarios"):
-        return f"No scenario ran `{PROPOSED}`."
+        return ""
     near = a["near_lower_bound"]
-    lines = [f"- `{PROPOSED}` returned a plan in {a['plans']} of {a['scenarios']} scenarios"
+    lines = [f"**`{method}`** returned a plan in {a['plans']} of {a['scenarios']} scenarios"
              + (f" (infeasible: {', '.join(a['infeasible'])})" if a["infeasible"] else "") + "."]
     clean = ("0 starved, 0 refused GPUs and no latency violation in every one" if not a["replay_not_clean"]
-             else "not clean in " + ", ".join(a["replay_not_clean"]))
+             else f"not clean in {len(a['replay_not_clean'])}: " + ", ".join(a["replay_not_clean"]))
     lines.append(f"- Replay of its plans: {clean}.")
     if near["of"]:
         lines.append(f"- Within {GAP_GPUS} GPU or {GAP_FRAC:.0%} of the lower bound on {near['within']} of "
@@ -174,11 +195,14 @@ def summary_markdown(doc: dict[str, Any]) -> str:
     if vs["more_gpus"]:
         worse = "; ".join(f"{x['scenario']} vs {x['baseline']} ({x['gpus']} > {x['baseline_gpus']})"
                           for x in vs["more_gpus"])
-        lines.append(f"- Smallest pools: uses MORE GPUs than a baseline in {len(vs['more_gpus'])} case(s): {worse}.")
+        lines.append(f"- Smallest pools: MORE GPUs than a baseline in {len(vs['more_gpus'])} case(s): {worse}.")
     else:
-        lines.append("- Smallest pools: never more GPUs than any baseline.")
+        lines.append("- Smallest pools: never more GPUs than any baseline where it returned a plan.")
+    if vs["no_plan_where_baseline_has_one"]:
+        lines.append("- No plan where a baseline has a clean one: " + "; ".join(
+            f"{x['scenario']} ({', '.join(x['baselines'])})" for x in vs["no_plan_where_baseline_has_one"]) + ".")
     if vs["ties"] or vs["fewer"]:
-        lines.append("- Ties / fewer GPUs per baseline: " + ", ".join(
+        lines.append("- Ties / fewer GPUs than each baseline: " + ", ".join(
             f"{b} {vs['ties'].get(b, 0)} / {vs['fewer'].get(b, 0)}" for b in BASELINES
             if b in vs["ties"] or b in vs["fewer"]) + ".")
     for b, s in a["fixed_pool_saving"].items():
@@ -212,6 +236,30 @@ def _lb(sc: dict[str, Any]) -> str:
     return str(lb) if free == lb else f"{lb} ({free})"
 
 
+def _cell(r: dict[str, Any] | None, key: str) -> str:
+    """One method's GPU count for a protocol: ``N``, ``N!`` (replay not clean), ``inf.``, ``none``, ``err.``."""
+    if r is None:
+        return ""
+    if r.get("error"):
+        return "err."
+    if key == "gpus_used":
+        if r.get("infeasible"):
+            return "inf."
+        v = r.get(key)
+        if v is None:
+            return "none"
+        return f"{v}!" if not r.get("replay_clean", True) else str(v)
+    if key == "gpus_used_fixed_pool":
+        fixed = r.get("fixed_pool") or {}
+        if fixed.get("infeasible"):
+            return "inf."
+        v = r.get(key)
+        if v is None:
+            return "–"
+        return f"{v}!" if not fixed.get("replay_clean", True) else str(v)
+    return _f(r.get(key))
+
+
 def compact_table(doc: dict[str, Any], methods: list[str] | None = None, key: str = "gpus_used") -> str:
     """One row per scenario, one column per method (``key``), with the lower bound."""
     scs = doc["scenarios"]
@@ -222,19 +270,7 @@ def compact_table(doc: dict[str, Any], methods: list[str] | None = None, key: st
         cells = [sc["name"], s["model"].split("-")[0], "/".join(map(str, s["ranks"])), str(s["n_adapters"]),
                  f"×{s['load_scale']:g}", s["objective"], _lb(sc)]
         for m in methods:
-            r = sc["methods"].get(m)
-            if r is None:
-                cells.append("")
-            elif r.get("infeasible") and key == "gpus_used":
-                cells.append("inf.")
-            else:
-                v = r.get(key)
-                if key == "gpus_used" and v is not None and not r.get("replay_clean", True):
-                    cells.append(f"{v}!")
-                elif key == "gpus_used" and v is None:
-                    cells.append("none")
-                else:
-                    cells.append(_f(v))
+            cells.append(_cell(sc["methods"].get(m), key))
         rows.append(cells)
     return _table(["scenario", "model", "ranks", "N", "load", "objective", "LB", *methods], rows)
 
@@ -243,9 +279,7 @@ def render_report(doc: dict[str, Any], figures: list[str] | None = None) -> str:
     parts = ["# lorapack evaluate report\n",
              f"{len(doc['scenarios'])} scenario(s) in {doc.get('wall_s', float('nan')):,.0f} s"
              + (f" (budget {doc['budget_s']:g} s)" if doc.get("budget_s") else "") + ".\n",
-             "GPUs = smallest pool whose replay is clean (no refused GPU, none starved, every GPU within the "
-             "latency objective); a `!` marks a self-sizing method's plan that did not replay clean; `none` = "
-             "no clean pool found up to the search cap; `inf.` = the method declared the workload infeasible.\n",
+             LEGEND,
              "## Summary\n", summary_markdown(doc) + "\n", "## GPUs used\n", compact_table(doc) + "\n"]
     if any(sc["scenario"].get("fixed_pool") for sc in doc["scenarios"]):
         parts += ["## GPUs used on the fixed pool\n", compact_table(doc, key="gpus_used_fixed_pool") + "\n"]
@@ -276,6 +310,13 @@ def _group_key(sc: dict[str, Any]) -> tuple:
             s["windows"]["protocol"])
 
 
+def _log2_ticks(ax: Any, ns: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns)
+    ax.set_xticklabels([str(n) for n in ns])
+    ax.minorticks_off()
+
+
 def plot_figures(doc: dict[str, Any], out_dir: Path) -> list[str]:
     """GPUs vs adapters per scenario group (N varies) and every Max_pack curve; returns relative paths."""
     import matplotlib
@@ -299,7 +340,7 @@ def plot_figures(doc: dict[str, Any], out_dir: Path) -> list[str]:
             ys = [s["methods"].get(m, {}).get("gpus_used") for s in scs]
             ax.plot(ns, [float("nan") if y is None else y for y in ys], marker="o", label=m)
         ax.plot(ns, [s["lower_bound_gpus"] for s in scs], "k--", label="lower bound")
-        ax.set_xscale("log", base=2)
+        _log2_ticks(ax, ns)
         ax.set_xlabel("adapters")
         ax.set_ylabel("GPUs (smallest replay-clean pool)")
         ax.set_title(f"{model}, ranks {'/'.join(map(str, ranks))}, ×{load:g} {trace}, {objective}", fontsize=9)
@@ -388,7 +429,7 @@ def _by(doc: dict[str, Any], *keys: str) -> dict[tuple, list[dict]]:
 
 def study_markdown(doc: dict[str, Any], figures: list[str] | None = None) -> str:
     """Acceptance summary per objective, GPU tables per model and objective, fixed-pool tables."""
-    parts = []
+    parts = [LEGEND]
     for (objective,), scs in _by(doc, "objective").items():
         sub = {**doc, "scenarios": scs}
         parts.append(f"### Summary, objective `{objective}`\n\n{summary_markdown(sub)}\n")
@@ -436,7 +477,7 @@ def study_figures(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[
                     ys = [s["methods"].get(m, {}).get("gpus_used") for s in cell]
                     ax.plot(ns, [float("nan") if y is None else y for y in ys], marker="o", ms=3, label=m)
                 ax.plot(ns, [s["lower_bound_gpus"] for s in cell], "k--", label="lower bound")
-                ax.set_xscale("log", base=2)
+                _log2_ticks(ax, ns)
                 ax.set_title(f"ranks {'/'.join(map(str, rk))}, ×{k:g}", fontsize=9)
                 ax.grid(alpha=0.3)
                 if i == len(ranks) - 1:

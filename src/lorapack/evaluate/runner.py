@@ -59,14 +59,14 @@ class Budget:
     """Wall-time budget: work not started once it is spent is skipped and listed."""
 
     seconds: float | None
-    t0: float = field(default_factory=time.perf_counter)
+    t0: float = field(default_factory=time.monotonic)  # system-wide clock: shared by worker processes
     skipped: list[dict] = field(default_factory=list)
 
     def spent(self) -> bool:
-        return self.seconds is not None and time.perf_counter() - self.t0 > self.seconds
+        return self.seconds is not None and time.monotonic() - self.t0 > self.seconds
 
     def elapsed_s(self) -> float:
-        return time.perf_counter() - self.t0
+        return time.monotonic() - self.t0
 
 
 def _metrics(rep: FleetReplay) -> dict[str, Any]:
@@ -231,11 +231,13 @@ ProgressFn = Callable[[str, int], None]  # (what runs now, units of scenario x m
 def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple[str, ...] | None = None,
                        budget_s: float | None = None, mapper: Mapper | None = None,
                        on_step: ProgressFn | None = None, on_scenario: Callable[[dict], None] | None = None,
-                       keep_plans: bool = False) -> dict[str, Any]:
-    """Every scenario × method (``methods`` overrides the files' lists). Returns the results document."""
+                       keep_plans: bool = False, started: float | None = None) -> dict[str, Any]:
+    """Every scenario × method (``methods`` overrides the files' lists). Returns the results document.
+
+    ``started`` (``time.monotonic()``) is when the budget started (default: now)."""
     from .maxpack import max_pack_curve
 
-    budget = Budget(budget_s)
+    budget = Budget(budget_s) if started is None else Budget(budget_s, t0=started)
     results: list[dict] = []
     max_packs: list[dict] = []
     contexts: dict[tuple, Context] = {}
