@@ -174,8 +174,10 @@ def test_assignment_round_robin_then_shuffled_and_features():
 def test_config_id_is_stable_and_seed_dependent():
     g = preset_grid("paper-llama")
     c = enumerate_configs(g)[0]
-    # golden value: changing it silently would orphan every existing dataset (bump ASSIGNMENT_SCHEME instead)
-    assert c.config_id == "bd78d87870ebadc0"
+    # golden value: changing it silently would orphan every existing dataset (bump ASSIGNMENT_SCHEME instead).
+    # (Changed once on purpose: the paper presets use the profile's fitted length CV since issue 8, a different
+    # workload; plain grids keep their ids, test_plain_grids_keep_their_config_ids.)
+    assert c.config_id == "ec39e335339421f0"
     assert (c.served_adapters, c.adapter_slots, c.rate_tuple, c.rank_tuple, c.seed) == (
         8, 8, (3.2, 1.6, 0.8), (8, 8, 8), 0)
     other = enumerate_configs(with_overrides(g, seed=1))[0]
