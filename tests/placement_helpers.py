@@ -16,7 +16,7 @@ TAU = 420.0  # tokens per request (223 + 197)
 
 class ToyOracle:
     """Starved iff Σλ > ``cap_rps``; throughput ``min(τ Σλ, τ cap)`` times a mild preference for
-    ``prefer_a`` (1 % less for any other A). ``cheap`` decides lookahead vs lazy questions in the driver."""
+    ``prefer_a`` (5 % less for any other A). ``cheap`` decides lookahead vs lazy questions in the driver."""
 
     name = "toy"
 
@@ -37,7 +37,7 @@ class ToyOracle:
             tau = c.input_tokens + c.output_tokens
             thr = min(lam, self.cap_rps) * tau
             if self.prefer_a is not None and c.max_loras != self.prefer_a:
-                thr *= 0.99
+                thr *= 0.95
             out.append(Prediction(fits=starts, throughput_tok_s=thr if starts else 0.0, incoming_tok_s=lam * tau,
                                   starved=float(lam > self.cap_rps + 1e-9) if starts else 1.0,
                                   itl_ms=math.nan, ttft_s=self.ttft_s if starts else math.nan))

@@ -92,7 +92,10 @@ def test_simulate_human_output() -> None:
     res = invoke("simulate", DEMO, "-m", LLAMA, "-a", 16, "--duration-s", 120)
     assert res.exit_code == 0
     out = res.stdout
-    assert f"{LLAMA} on h100-64gb: 64 adapters, A=16, S=16, 120 s, seed 0" in " ".join(out.split())
+    assert f"{LLAMA} on h100-64gb: 64 adapters, 120 s, seed 0" in " ".join(out.split())
+    # the server's flags under vLLM's names (issue 12), not "A=16, S=16"
+    assert "--max-loras 16" in " ".join(out.replace("│", " ").split())
+    assert "--max-lora-rank 16" in " ".join(out.replace("│", " ").split())
     for label in ("throughput (tok/s)", "incoming (tok/s)", "starved", "ITL mean (ms)", "TTFT penalised mean",
                   "requests arrived / completed", "KV cache (tokens)", "wall time (s)"):
         assert label in out, label
@@ -265,7 +268,8 @@ def test_empirical_lengths_reject_mean_overrides(monkeypatch, capsys, tmp_path: 
 
 @pytest.mark.parametrize("args, match", [
     (["simulate", DEMO, "-m", LLAMA], "Missing option '--max-loras'"),
-    (["simulate", DEMO, "-m", LLAMA, "-a", "abc"], "Invalid value for '--max-loras'"),
+    (["simulate", DEMO, "-m", LLAMA, "-a", 8, "--seed", "abc"], "Invalid value for '--seed'"),
+    (["simulate", DEMO, "-m", LLAMA, "-a", "abc"], "--max-loras abc: expected an integer >= 1 or a comma list"),
     (["simulate"], "Missing argument"),
     (["frobnicate"], "No such command 'frobnicate'"),
 ])
@@ -276,7 +280,7 @@ def test_usage_error_exit_2(args, match, monkeypatch, capsys) -> None:
 
 
 def test_script_usage_error_no_traceback() -> None:
-    p = _script("simulate", DEMO, "-m", LLAMA, "-a", "abc")
+    p = _script("simulate", DEMO, "-m", LLAMA, "-a", "8", "--seed", "abc")
     assert p.returncode == 2 and "Invalid value" in p.stderr and "Traceback" not in p.stderr
 
 

@@ -43,9 +43,9 @@ def examples(doc: str) -> list[tuple[str, str]]:
             out.append(("python", body))
         elif lang in ("bash", "sh", "console"):
             for line in body.splitlines():
-                cmd, _, comment = line.strip().removeprefix("$ ").partition("  #")
-                if cmd.startswith("lorapack ") and "..." not in cmd and not comment.strip().startswith("not run"):
-                    out.append(("cmd", cmd.strip()))
+                words = shlex.split(line.strip().removeprefix("$ "), comments=True)
+                if words[:1] == ["lorapack"] and "..." not in words and not re.search(r"#\s*not run", line):
+                    out.append(("cmd", shlex.join(words)))
     return out
 
 
@@ -83,7 +83,7 @@ def test_examples_run_as_written(doc: str, tmp_path: Path) -> None:
         if kind == "cmd":
             if "shared/data" in text and not DATA.is_dir():
                 continue
-            args = shlex.split(text)[1:]
+            args = shlex.split(text)[1:]  # (text is shlex.join-ed: comments are gone)
             sub = next((a for a in args if not a.startswith("-")), "")
             cmd = [*_lorapack(), *args, *SHRINK.get(sub, [])]
         else:

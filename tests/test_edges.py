@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 
 from edge_cases import CASES, DATA, EXAMPLES, LLAMA, Case, _sub, _tree, run_case
 from edge_worker import encode
@@ -223,49 +224,81 @@ def _time_sorted(arrays: list[np.ndarray]) -> list[np.ndarray]:
 
 DEMO = str(EXAMPLES / "demo.yaml")
 LLAMA_PROFILE = str(EXAMPLES.parent / "profiles" / f"h100-64gb__vllm-0.8.5__{LLAMA}.yaml")
-OPTION_VALUES: dict[str, list] = {
-    "--max-loras": [8, 1, 0, -3, "4,8", "8,0", "abc", 10**12],
-    "--duration-s": [20, 0, -1, "nan", "inf", "1e15", "1e-9"],
-    "--seed": [0, 3, -1],
-    "--max-num-seqs": [2048, 1, 0, -5, 10**19],
-    "--max-num-batched-tokens": [2048, 16, 0, -1],
-    "--max-lora-rank": [16, 8, 0, 512],
-    "--max-cpu-loras": [64, 4, 0],
-    "--max-model-len": [4096, 0, 10**7],
-    "--client-cap": [0, 100, -1],
-    "--mean-input-tokens": [300, 0, "1e12", "nan"],
-    "--mean-output-tokens": [100, -1],
-    "--model": [LLAMA, "qwen-2.5-7b-instruct", "gpt-5"],
-    "--gpu": ["h100-64gb", "a100"],
+COMMON: dict[str, list] = {
     "--profile": [LLAMA_PROFILE, "{tmp}", "{tmp}/missing.yaml"],
-    "--timeline": ["{tmp}/tl.csv", "{tmp}", "{tmp}/no/tl.csv"],
+    "--gpu": ["h100-64gb", "a100"],
+    "--workers": [1, 0, -1],
+    "--limit": [1, 0, -2],
 }
-FLAGS = ["--early-stop", "--cold-start", "--force", "--json"]
-WORKLOADS = [DEMO, "{tmp}", "{tmp}/missing.yaml", "{tmp}/bad.csv"]
+OPTIONS: dict[str, dict[str, list]] = {
+    "simulate": {
+        "--max-loras": [8, 1, 0, -3, "4,8", "8,0", "abc", 10**12],
+        "--duration-s": [20, 0, -1, "nan", "inf", "1e15", "1e-9"],
+        "--seed": [0, 3, -1],
+        "--max-num-seqs": [2048, 1, 0, -5, 10**19],
+        "--max-num-batched-tokens": [2048, 16, 0, -1],
+        "--max-lora-rank": [16, 8, 0, 512],
+        "--max-cpu-loras": [64, 4, 0],
+        "--max-model-len": [4096, 0, 10**7],
+        "--client-cap": [0, 100, -1],
+        "--mean-input-tokens": [300, 0, "1e12", "nan"],
+        "--mean-output-tokens": [100, -1],
+        "--model": [LLAMA, "qwen-2.5-7b-instruct", "gpt-5"],
+        "--gpu": COMMON["--gpu"], "--profile": COMMON["--profile"],
+        "--timeline": ["{tmp}/tl.csv", "{tmp}", "{tmp}/no/tl.csv"],
+    },
+    "validate": {
+        "--seeds": [1, 0], "--lengths": ["fixed", "lognormal", "zipf"], "--out": ["{tmp}/v.csv", "{tmp}",
+                                                                                 "{tmp}/no/v.csv"],
+        **{k: COMMON[k] for k in ("--profile", "--gpu", "--workers", "--limit")},
+    },
+    "sweep": {
+        "--out": ["{tmp}/sw", "{tmp}/bad.csv", "{tmp}/no/sw"], "--backend": ["local", "spark"],
+        "--seed": [0, -1], "--early-stop-tests": ["certain", "sometimes"], "--model": [LLAMA, "gpt-5"],
+        **{k: COMMON[k] for k in ("--workers", "--limit")},
+    },
+}
+FLAGS = {"simulate": ["--early-stop", "--cold-start", "--force", "--json"], "validate": ["--force", "--json"],
+         "sweep": ["--force", "--json", "--resume", "--no-prune"]}
+ARGUMENTS = {"simulate": [DEMO, "{tmp}", "{tmp}/missing.yaml", "{tmp}/bad.csv"],
+             "validate": ["{tmp}/runs.csv", "{tmp}", "{tmp}/bad.csv"],
+             "sweep": ["{tmp}/g.yaml", "{tmp}/big.yaml", "{tmp}/bad.csv"]}
+CLI_FILES = {"bad.csv": "adapter_id,rank,rate_rps\na,8,-1\n",
+             "runs.csv": CASES[[c.name for c in CASES].index("validate --limit 0")].files["runs.csv"],
+             "g.yaml": CASES[[c.name for c in CASES].index("sweep --out is a file")].files["g.yaml"],
+             "big.yaml": CASES[[c.name for c in CASES].index("sweep rate_pool_rps [1e9]")].files["g.yaml"]}
 
 
 @st.composite
-def simulate_argv(draw) -> list[str]:
-    argv = ["simulate", draw(st.sampled_from(WORKLOADS))]
-    opts = draw(st.lists(st.sampled_from(sorted(OPTION_VALUES)), unique=True, max_size=6))
-    if "--max-loras" not in opts and draw(st.booleans()):
-        opts.append("--max-loras")
-    if "--model" not in opts and "--profile" not in opts and draw(st.integers(0, 3)):
-        opts.append("--model")
+def cli_argv(draw) -> list[str]:
+    cmd = draw(st.sampled_from(sorted(OPTIONS)))
+    pool = OPTIONS[cmd]
+    argv = [cmd, draw(st.sampled_from(ARGUMENTS[cmd]))]
+    opts = draw(st.lists(st.sampled_from(sorted(pool)), unique=True, max_size=6))
+    if cmd == "simulate":  # mostly well-formed enough to reach the interesting checks
+        if "--max-loras" not in opts and draw(st.booleans()):
+            opts.append("--max-loras")
+        if "--model" not in opts and "--profile" not in opts and draw(st.integers(0, 3)):
+            opts.append("--model")
+    if cmd == "sweep" and "--out" not in opts and draw(st.integers(0, 3)):
+        opts.append("--out")
     for o in opts:
-        argv += [o, str(draw(st.sampled_from(OPTION_VALUES[o])))]
-    argv += draw(st.lists(st.sampled_from(FLAGS), unique=True, max_size=3))
-    if "--duration-s" not in opts:
+        argv += [o, str(draw(st.sampled_from(pool[o])))]
+    argv += draw(st.lists(st.sampled_from(FLAGS[cmd]), unique=True, max_size=3))
+    if cmd == "simulate" and "--duration-s" not in opts:
         argv += ["--duration-s", "20"]
+    if cmd == "sweep" and "--limit" not in opts:
+        argv += ["--limit", "1"]
     return argv
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(argv=simulate_argv())
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(argv=cli_argv())
 def test_cli_random_options(worker: Worker, argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        (tmp / "bad.csv").write_text("adapter_id,rank,rate_rps\na,8,-1\n")
+        for name, text in CLI_FILES.items():
+            (tmp / name).write_text(text)
         before = _tree(tmp)
         reply = worker.call({"kind": "cli", "argv": [_sub(a, tmp) for a in argv], "cwd": d}, 60.0)
         made = sorted(_tree(tmp) - before)
@@ -277,8 +310,9 @@ def test_cli_random_options(worker: Worker, argv: list[str]) -> None:
         else:  # click's usage errors (a malformed number): its usage box, still no traceback
             assert "Usage:" in reply["stderr"] or "Error" in reply["stderr"], reply["stderr"]
         assert made == [], made
-    else:
-        assert made in ([], ["tl.csv"]), made
+    else:  # the outputs asked for, nothing else (no .tmp, no probe files)
+        assert all(m.split("/")[0] in ("tl.csv", "v.csv", "sw") and ".tmp" not in m and "probe" not in m
+                   for m in made), made
 
 
 # ---- the shared checks and guards, directly -----------------------------------------------------------------
@@ -378,3 +412,108 @@ def test_sweep_failure_leaves_no_store(tmp_path: Path, monkeypatch) -> None:
     summary = run_sweep(load_grid(grid), tmp_path / "sw", workers=1)  # starts afresh, no --resume needed
     assert summary["rows"] == 1 and sorted(p.name for p in (tmp_path / "sw").iterdir() if p.name[0] != "p") == [
         "_sweep.json"]
+
+
+# ---- operator-facing output: the --max-loras scan, starved adapters by name, 80 columns ----------------------
+
+
+def _narrow() -> Console:
+    return Console(width=80, record=True, color_system=None)
+
+
+def _assert_fits(con: Console) -> str:
+    text = con.export_text()
+    too_long = [ln for ln in text.splitlines() if len(ln.rstrip()) > 80]
+    assert not too_long, too_long
+    assert "…" not in text, text  # rich's ellipsis: a value or header was cut
+    return text
+
+
+def test_scan_json_list_and_starved_ids(tmp_path: Path) -> None:
+    wl = tmp_path / "hot.yaml"
+    wl.write_text("adapters:\n  - {count: 24, rank: 16, rate_rps: 0.6, id_prefix: hot}\n")
+    from typer.testing import CliRunner
+
+    from lorapack.cli import app
+
+    res = CliRunner().invoke(app, ["simulate", str(wl), "-m", LLAMA, "--max-loras", "1,24", "--duration-s", "600",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    runs = json.loads(res.stdout)
+    assert [r["server"]["max_loras"] for r in runs] == [1, 24]
+    one = runs[0]
+    # new keys are added, the sweep's columns keep their names
+    assert {"adapter_starved", "adapters_starved", "starved_adapter_indices", "starved_adapter_ids"} <= set(one)
+    assert one["adapters_starved"] == len(one["starved_adapter_ids"]) > 0 and one["adapter_starved"] is True
+    assert one["starved_adapter_ids"] == [f"hot-{i}" for i in one["starved_adapter_indices"]]
+    single = json.loads(CliRunner().invoke(app, ["simulate", str(wl), "-m", LLAMA, "-a", "24", "--duration-s", "60",
+                                                 "--json"]).stdout)
+    assert isinstance(single, dict) and single["server"]["max_loras"] == 24  # one value: one object, as before
+
+
+def test_layouts_fit_80_columns(monkeypatch, tmp_path: Path) -> None:
+    from lorapack.cli import calibrate as cli_calibrate
+    from lorapack.cli import profiles as cli_profiles
+    from lorapack.cli import simulate as cli_simulate
+    from lorapack.profile import find_profile
+    from lorapack.spec import load_workload
+    from lorapack.twin.run import ServerFlags, simulate
+
+    prof = find_profile(LLAMA)
+    wl = load_workload(EXAMPLES / "demo.yaml")
+    hot = tmp_path / "hot.yaml"
+    hot.write_text("adapters:\n  - {count: 40, rank: 16, rate_rps: 0.6, id_prefix: a-rather-long-adapter-name}\n")
+    starving = load_workload(hot)
+    runs = [simulate(prof, wl, ServerFlags(max_loras=a), 300.0, 0)[0] for a in (4, 64, 100000)]
+    bad, _ = simulate(prof, starving, ServerFlags(max_loras=2), 600.0, 0)
+    assert bad.n_adapters_starved > 8 and runs[-1].oom
+
+    con = _narrow()
+    cli_simulate.render_run(bad, starving.adapter_ids, "llama-3.1-8b-instruct on h100-64gb: 40 adapters, 600 s, "
+                                                       "seed 0", con)
+    text = _assert_fits(con)
+    for flag in ("--max-loras", "--max-lora-rank", "--max-cpu-loras", "--max-num-seqs", "--max-num-batched-tokens"):
+        assert flag in text  # headers speak vLLM's flag names
+    assert "a-rather-long-adapter-name-0" in text and "more" in text and "A=" not in text
+
+    con = _narrow()
+    cli_simulate.render_scan(runs, "llama-3.1-8b-instruct on h100-64gb: 64 adapters, 300 s, seed 0", con)
+    text = _assert_fits(con)
+    assert "--max-loras" in text and "oom" in text and "smallest safe --max-loras: 4" in text
+
+    con = _narrow()
+    monkeypatch.setattr(cli_profiles, "console", con)
+    cli_profiles.profiles()
+    assert "llama-3.1-8b-instruct" in _assert_fits(con)
+
+    scores = {"smape_throughput": 1.31, "smape_itl": 3.0, "smape_ttft": 7.09, "smape_throughput_2x": 2.62,
+              "smape_itl_2x": 5.99, "starved_agreement": 0.98, "starved_agreement_clear": 1.0, "oom_agreement": 1.0}
+    summary = {
+        "fits": {"memory": {"parameters": {"kv_tokens_base": 307528.7225, "kv_tokens_per_slot_rank": 43.9789},
+                            "r2": 0.9996, "rmse": 1052.2, "n_points": 28},
+                 "scheduler": {"parameters": {"ms_per_waiting_slot_ratio": 0.0003, "baseline_ms": 0.1964},
+                               "r2": 0.89, "rmse": 0.59, "n_points": 788},
+                 "loading": {"parameters": {"disk_medians_ms": {"8": 67.05, "16": 82.77, "32": 125.5}},
+                             "n_points": 300}},
+        "refinement": {"free": {"e1p": {"field": "steptime.e1p_ms_per_prefill_token", "unit": "ms/token",
+                                        "prior": 0.0123, "refined": 0.0456}}},
+        "validation": {"runs": "calibration.csv", "seeds": 1, "lengths": "lognormal", "priors": scores,
+                       "refined": scores},
+    }
+    con = _narrow()
+    cli_calibrate.render_calibration(summary, LLAMA, "h100-64gb", con)
+    text = _assert_fits(con)
+    assert "kv_tokens_base=307,528.7225" in text and "ms_per_waiting_slot_ratio=0.0003" in text
+
+    # validate: one column per model
+    from typer.testing import CliRunner
+
+    from lorapack.cli import app
+    from lorapack.cli import validate as cli_validate
+
+    runs_csv = tmp_path / "runs.csv"
+    runs_csv.write_text(CASES[[c.name for c in CASES].index("validate --limit 0")].files["runs.csv"])
+    con = _narrow()
+    monkeypatch.setattr(cli_validate, "console", con)
+    assert CliRunner().invoke(app, ["validate", str(runs_csv), "--workers", "1"]).exit_code == 0
+    assert "SMAPE throughput %" in _assert_fits(con)

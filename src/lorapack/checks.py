@@ -45,8 +45,11 @@ def input_file_problem(path: str | Path) -> str | None:
 
 
 def check_input_file(path: str | Path, what: str = "", error: type[Exception] = SpecError) -> Path:
-    """``path`` as a Path if it is a readable file, else ``error("<what> <path>: <problem>")``."""
+    """``path`` as a Path if it is a readable file, else ``error``: ``"<what> not found: <path>"`` or
+    ``"<what> <path>: <problem>"`` (e.g. ``profile p.yaml: is a directory; expected a file``)."""
     problem = input_file_problem(path)
+    if problem == "file not found" and what:
+        raise error(f"{what} not found: {path}")
     if problem is not None:
         raise error(f"{what + ' ' if what else ''}{path}: {problem}")
     return Path(path)

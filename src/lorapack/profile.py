@@ -203,14 +203,9 @@ def smallest_vllm_rank(rank: int) -> int:
 
 
 def load_profile_file(path: str | Path) -> Profile:
-    from .checks import input_file_problem
+    from .checks import check_input_file
 
-    path = Path(path)
-    problem = input_file_problem(path)
-    if problem == "file not found":
-        raise ProfileError(f"profile file not found: {path}")
-    if problem is not None:
-        raise ProfileError(f"profile {path}: {problem}")
+    path = check_input_file(path, "profile file", ProfileError)
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

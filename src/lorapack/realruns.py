@@ -77,14 +77,9 @@ def parse_counts(text: str, kind: type = float) -> list:
 
 
 def read_runs(path: str | Path) -> list[dict]:
-    from .checks import input_file_problem
+    from .checks import check_input_file
 
-    path = Path(path)
-    problem = input_file_problem(path)
-    if problem == "file not found":
-        raise DataError(f"runs file not found: {path}")
-    if problem is not None:
-        raise DataError(f"runs file {path}: {problem}")
+    path = check_input_file(path, "runs file", DataError)
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in REQUIRED if c not in (reader.fieldnames or [])]

@@ -6,6 +6,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
 from ..calibrate.refine import DEFAULT_FREE
 from .common import console, err_console, fmt, print_json
@@ -36,8 +39,6 @@ def calibrate(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
     """Fit a profile from profiling data (closed-form priors), refine it against real runs, write it."""
-    from rich.table import Table
-
     from ..calibrate.command import calibrate as run_calibration
     from ..errors import DataError
 
@@ -55,32 +56,53 @@ def calibrate(
     if json_out:
         print_json(summary)
         return
-    t = Table(title=f"{model} on {gpu}: closed-form fits (priors)", title_justify="left")
-    for c in ("fit", "parameters", "R2", "rmse", "n"):
-        t.add_column(c)
-    for name, f in summary["fits"].items():
-        params = ", ".join(f"{k}={fmt(v, 4) if isinstance(v, float) else v}" for k, v in f["parameters"].items())
-        t.add_row(name, params, fmt(f.get("r2"), 4), fmt(f.get("rmse"), 3), fmt(f.get("n_points")))
-    console.print(t)
-    if "refinement" in summary:
-        t = Table(title="simulation-based refinement of the step-time constants", title_justify="left")
-        for c in ("constant", "unit", "prior", "refined"):
-            t.add_column(c)
-        for n, f in summary["refinement"]["free"].items():
-            t.add_row(f"{n} ({f['field']})", f["unit"], fmt(f["prior"], 5), fmt(f["refined"], 5))
-        console.print(t)
-        v = summary["validation"]
-        t = Table(title=f"validation on {v['runs']} ({v['seeds']} seed(s), {v['lengths']} lengths)",
-                  title_justify="left")
-        for c in ("profile", "SMAPE thr %", "SMAPE ITL %", "SMAPE TTFT %", "thr 2x", "ITL 2x", "starved agree",
-                  "clear agree", "OOM agree"):
-            t.add_column(c, justify="right" if c != "profile" else "left")
-        for k in ("priors", "refined"):
-            s = v[k]
-            t.add_row(k, fmt(s["smape_throughput"], 2), fmt(s["smape_itl"], 2), fmt(s["smape_ttft"], 2),
-                      fmt(s["smape_throughput_2x"], 2), fmt(s["smape_itl_2x"], 2), fmt(s["starved_agreement"], 3),
-                      fmt(s["starved_agreement_clear"], 3), fmt(s["oom_agreement"], 3))
-        console.print(t)
+    render_calibration(summary, model, gpu)
     if summary.get("report"):
         console.print(f"report: {len(summary['report'])} plots in {report}")
     console.print(f"wrote {summary['profile']}")
+
+
+def _param(k: str, v) -> str:
+    if isinstance(v, dict):  # e.g. the disk load medians per rank
+        return f"{k}: " + ", ".join(f"{kk}={fmt(vv, 1) if isinstance(vv, float) else vv}" for kk, vv in v.items())
+    return f"{k}={fmt(v, 4) if isinstance(v, float) else v}"
+
+
+def render_calibration(summary: dict, model: str, gpu: str, con: Console | None = None) -> None:
+    """The fits, the refinement and the validation scores; every table fits 80 columns (one parameter per
+    line, scores as rows)."""
+    con = con or console
+    t = Table(title=f"{model} on {gpu}:\nclosed-form fits (priors)", title_justify="left", box=box.SIMPLE_HEAD,
+              show_edge=False, pad_edge=False)
+    t.add_column("fit", no_wrap=True)
+    t.add_column("parameters", overflow="fold")
+    for c in ("R2", "rmse", "n"):
+        t.add_column(c, justify="right", no_wrap=True)
+    for name, f in summary["fits"].items():
+        params = "\n".join(_param(k, v) for k, v in f["parameters"].items())
+        t.add_row(name, params, fmt(f.get("r2"), 4), fmt(f.get("rmse"), 3), fmt(f.get("n_points")))
+    con.print(t)
+    if "refinement" not in summary:
+        return
+    t = Table(title="simulation-based refinement of the step-time constants", title_justify="left",
+              box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t.add_column("constant (profile field)", overflow="fold")
+    t.add_column("unit", overflow="fold")
+    for c in ("prior", "refined"):
+        t.add_column(c, justify="right", no_wrap=True)
+    for n, f in summary["refinement"]["free"].items():
+        t.add_row(f"{n} ({f['field']})", f["unit"], fmt(f["prior"], 5), fmt(f["refined"], 5))
+    con.print(t)
+    v = summary["validation"]
+    t = Table(title=f"validation on {v['runs']}\n({v['seeds']} seed(s), {v['lengths']} lengths)",
+              title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t.add_column("score")
+    for k in ("priors", "refined"):
+        t.add_column(k, justify="right", no_wrap=True)
+    for label, key, digits in (("SMAPE throughput %", "smape_throughput", 2), ("SMAPE ITL %", "smape_itl", 2),
+                               ("SMAPE TTFT %", "smape_ttft", 2), ("SMAPE throughput % (x2)", "smape_throughput_2x", 2),
+                               ("SMAPE ITL % (x2)", "smape_itl_2x", 2), ("starved agreement", "starved_agreement", 3),
+                               ("  on clear labels", "starved_agreement_clear", 3),
+                               ("OOM agreement", "oom_agreement", 3)):
+        t.add_row(label, fmt(v["priors"].get(key), digits), fmt(v["refined"].get(key), digits))
+    con.print(t)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -26,8 +27,16 @@ from ..checks import atomic_path, check_limit, check_output_dir, check_output_fi
 from ..errors import SpecError
 from ..guards import Limits, limits_help
 
-# pipes and CI get 80 columns by default, too narrow for the tables
-console = Console() if sys.stdout.isatty() else Console(width=140)
+
+def _stdout_console() -> Console:
+    """A terminal: its own width (every table fits 80 columns). A pipe: ``COLUMNS`` when set, else 140
+    columns (rich's default of 80 for pipes would wrap log lines that have room in a CI log)."""
+    if sys.stdout.isatty() or os.environ.get("COLUMNS", "").strip().isdigit():
+        return Console()
+    return Console(width=140)
+
+
+console = _stdout_console()
 err_console = Console(stderr=True)
 DEBUG = {"on": False}
 
@@ -67,6 +76,22 @@ def load_profile(model: str | None, gpu: str | None, profile: Path | None):
     if not model:
         raise SpecError("--model is required (or --profile FILE); e.g. --model llama-3.1-8b-instruct")
     return find_profile(model, gpu or DEFAULT_GPU)
+
+
+def parse_int_list(text: str, option: str, minimum: int = 1) -> list[int]:
+    """``"4,8,16"`` -> ``[4, 8, 16]`` (one value -> a list of one); a one-line ``SpecError`` otherwise."""
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise SpecError(f"{option} {text}: expected an integer >= {minimum} or a comma list of them, e.g. "
+                        f"4,8,16,32") from None
+    for v in values:
+        if v < minimum:
+            raise SpecError(f"{option} {text}: expected integers >= {minimum} (got {v})")
+    if len(set(values)) != len(values):
+        raise SpecError(f"{option} {text}: expected distinct values")
+    return values
 
 
 def limits(force: bool) -> Limits:
@@ -109,4 +134,4 @@ WorkersOpt = Annotated[int, typer.Option("--workers", help="Parallel processes (
 
 __all__ = ["DEFAULT_GPU", "ForceOpt", "GpuOpt", "JsonOpt", "ModelOpt", "ProfileOpt", "WorkersOpt", "atomic_path",
            "check_limit", "check_output_dir", "check_output_file", "check_workers", "console", "err_console",
-           "fmt", "json_safe", "limits", "load_profile", "print_json", "write_csv_atomic"]
+           "fmt", "json_safe", "limits", "load_profile", "parse_int_list", "print_json", "write_csv_atomic"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -9,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .common import JsonOpt, console, fmt, print_json
+from .common import JsonOpt, check_workers, console, fmt, print_json
 
 DEMO_METHODS = ("proposed", "dlora", "loraserve", "least-adapters", "round-robin")
 FALLBACK_METHOD = "proposed-exact"
@@ -60,7 +61,7 @@ def demo(
     model: Annotated[str, typer.Option("--model", "-m", help="Model key.")] = "llama-3.1-8b-instruct",
     out: Annotated[Path, typer.Option("--out", help="Where the proposed plan is written (plan.json, serve.sh, "
                                                     "routes.json).")] = Path("lorapack-demo"),
-    workers: Annotated[int, typer.Option(help="Processes for twin runs.")] = 2,
+    workers: Annotated[int, typer.Option(help="Processes for twin runs (0 = all cores).")] = 2,
     json_out: JsonOpt = False,
 ) -> None:
     """Place a realistic trace-derived workload with `proposed` and the baselines, verify, replay the second
@@ -75,6 +76,7 @@ def demo(
     from ..twin.engine import warm_up
 
     t_start = time.perf_counter()
+    workers = check_workers(workers) or (os.cpu_count() or 1)
     check_out_dir(out)
     compile_s = warm_up()
     placer = default_placer(workers)

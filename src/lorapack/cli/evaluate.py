@@ -11,20 +11,12 @@ import typer
 from rich.table import Table
 
 from ..errors import SpecError
-from .common import JsonOpt, console, fmt, print_json
+from .common import JsonOpt, check_output_dir, check_workers, console, fmt, print_json
 
 
 def check_out_dir(out: Path) -> Path:
-    """Fail before any work when ``out`` cannot be used as an output directory."""
-    out = out.expanduser()
-    if out.exists() and not out.is_dir():
-        raise SpecError(f"--out {out}: exists and is not a directory")
-    parent = out if out.exists() else out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        raise SpecError(f"--out {out}: cannot write under {parent}")
-    return out
+    """Fail before any work when ``out`` cannot be used as an output directory (``lorapack.checks``)."""
+    return check_output_dir(out, "--out")
 
 
 def _methods_option(text: str | None) -> tuple[str, ...] | None:
@@ -68,8 +60,7 @@ def evaluate(
         raise SpecError(f"--budget-s {budget_s}: expected a positive number of seconds")
     if jobs < 1:
         raise SpecError(f"--jobs {jobs}: expected an integer >= 1")
-    if workers < 0:
-        raise SpecError(f"--workers {workers}: expected an integer >= 0 (0 = all cores)")
+    check_workers(workers)
     if objective is not None and objective not in OBJECTIVE_NAMES:
         raise SpecError(f"--objective {objective}: expected one of {', '.join(OBJECTIVE_NAMES)}")
     if out is not None:

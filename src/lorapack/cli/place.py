@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -10,7 +11,18 @@ import typer
 from rich.table import Table
 
 from ..errors import LorapackError
-from .common import GpuOpt, JsonOpt, ModelOpt, ProfileOpt, console, err_console, fmt, load_profile, print_json
+from .common import (
+    GpuOpt,
+    JsonOpt,
+    ModelOpt,
+    ProfileOpt,
+    check_workers,
+    console,
+    err_console,
+    fmt,
+    load_profile,
+    print_json,
+)
 
 _METHODS_HELP = ("proposed (learned models), proposed-fast (shallow trees), proposed-exact (the twin as the "
                  "oracle), proposed-lat, dlora, loraserve, least-adapters, round-robin")
@@ -25,7 +37,7 @@ def place(
     workload: Annotated[Path, typer.Argument(
         help="Workload spec: YAML, or a CSV adapter_id,rank,rate_rps[,path] (the forecast rates).")],
     model: ModelOpt = None,
-    gpu: GpuOpt = "h100-64gb",
+    gpu: GpuOpt = None,
     profile: ProfileOpt = None,
     gpus: Annotated[int | None, typer.Option(
         "--gpus", help="GPU pool size (default: as many as needed). A plan that needs more exits with code 2.")
@@ -60,8 +72,8 @@ def place(
     n_max: Annotated[int, typer.Option("--n-max", help="Most adapters per GPU for the proposed methods.")] = 384,
     mean_input_tokens: Annotated[float | None, typer.Option(help="Override the mean prompt tokens.")] = None,
     mean_output_tokens: Annotated[float | None, typer.Option(help="Override the mean output tokens.")] = None,
-    workers: Annotated[int | None, typer.Option(help="Worker processes for twin runs (default: up to 2).")
-                       ] = None,
+    workers: Annotated[int | None, typer.Option(help="Worker processes for twin runs (0 = all cores; default: "
+                                                     "up to 2).")] = None,
     base_port: Annotated[int, typer.Option(help="Port of device 0 on each node (device d: base + d).")] = 8000,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node in serve.sh and routes.json.")] = 8,
     host_pattern: Annotated[str | None, typer.Option(
@@ -89,8 +101,8 @@ def place(
     check_out_dir(out)
     if models is not None and not models.is_dir():
         raise LorapackError(f"--models {models}: not a directory")
-    if workers is not None and workers < 1:
-        raise LorapackError(f"--workers {workers}: expected a positive integer")
+    if workers is not None:  # the same convention as every command: >= 0, 0 = all cores
+        workers = check_workers(workers) or (os.cpu_count() or 1)
     prof = load_profile(model, gpu, profile)
     wl = load_workload(workload)
     inst = instance_from_workload(wl, headroom=headroom, mean_input_tokens=mean_input_tokens,

@@ -6,7 +6,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
+from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..errors import SpecError
 from ..twin.metrics import RunMetrics
@@ -21,24 +24,48 @@ from .common import (
     fmt,
     limits,
     load_profile,
+    parse_int_list,
     print_json,
     write_csv_atomic,
 )
 
+STARVED_NAMES_SHOWN = 8  # adapter ids listed in the table; --json has them all (starved_adapter_ids)
 
-def _render_sim(out: RunMetrics, title: str) -> None:
+
+def _starved_ids(out: RunMetrics, adapter_ids: list[str]) -> list[str]:
+    return [adapter_ids[i] for i in out.starved_adapter_indices]
+
+
+def _yes_no(flag: bool | None) -> str:
+    return "[red]yes[/red]" if flag else "[green]no[/green]"
+
+
+def render_run(out: RunMetrics, adapter_ids: list[str], title: str, con: Console | None = None) -> None:
+    """One run as a two-column table: the server's flags under vLLM's names, then the metrics (80 columns)."""
+    con = con or console
     t = Table(title=title, show_header=False, title_justify="left")
     t.add_column("metric", style="bold")
-    t.add_column("value", justify="right")
+    t.add_column("value", justify="right", overflow="fold")
+    srv = out.server
+    if srv is not None:
+        for flag, v in (("--max-loras", srv.max_loras), ("--max-lora-rank", srv.max_lora_rank),
+                        ("--max-cpu-loras", srv.max_cpu_loras), ("--max-num-seqs", srv.max_num_seqs),
+                        ("--max-num-batched-tokens", srv.max_num_batched_tokens),
+                        ("--max-model-len", srv.max_model_len)):
+            t.add_row(flag, fmt(v))
+        t.add_section()
     if out.oom:
         t.add_row("server starts", f"[red]no[/red] ({out.error_type}, KV {out.kv_cache_tokens:,} tokens)")
-        console.print(t)
+        con.print(t)
         return
+    names = _starved_ids(out, adapter_ids)
+    more = len(names) - STARVED_NAMES_SHOWN
+    shown = ", ".join(names[:STARVED_NAMES_SHOWN]) + (f", +{more}\u00a0more" if more > 0 else "")
     rows = [
         ("throughput (tok/s)", fmt(out.throughput_tok_s)),
         ("incoming (tok/s)", fmt(out.incoming_tok_s)),
         ("throughput / incoming", fmt(out.throughput_ratio, 3)),
-        ("starved", "[red]yes[/red]" if out.starved else "[green]no[/green]"),
+        ("starved (throughput < 0.9 x incoming)", _yes_no(out.starved)),
         ("ITL mean (ms)", fmt(out.itl_mean_ms)),
         ("TTFT mean / median / p99 (ms)",
          f"{fmt(out.ttft_mean_ms)} / {fmt(out.ttft_median_ms)} / {fmt(out.ttft_p99_ms)}"),
@@ -46,7 +73,8 @@ def _render_sim(out: RunMetrics, title: str) -> None:
         ("requests arrived / completed", f"{out.n_arrived:,} / {out.n_completed:,}"),
         ("preemptions", fmt(out.n_preemptions)),
         ("adapter loads", fmt(out.n_adapter_loads)),
-        ("adapters starved (per-adapter check)", fmt(out.n_adapters_starved)),
+        ("adapters starved (per adapter)", fmt(out.n_adapters_starved)),
+        *([("  which (--json: starved_adapter_ids)", Text(shown, justify="left"))] if names else []),
         ("KV cache (tokens)", fmt(out.kv_cache_tokens)),
         ("running mean / max", f"{fmt(out.running_reqs_mean)} / {fmt(out.running_reqs_max, 0)}"),
         ("waiting mean / max", f"{fmt(out.waiting_reqs_mean)} / {fmt(out.waiting_reqs_max, 0)}"),
@@ -54,12 +82,40 @@ def _render_sim(out: RunMetrics, title: str) -> None:
     ]
     for k, v in rows:
         t.add_row(k, v)
-    console.print(t)
+    con.print(t)
+
+
+def render_scan(results: list[RunMetrics], title: str, con: Console | None = None) -> None:
+    """One row per --max-loras value on the same requests, then which values are safe (fits 80 columns)."""
+    con = con or console
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for h in ("--max-loras", "thr\ntok/s", "ratio", "starved", "adapters\nstarved", "ITL\nms", "TTFT\nms",
+              "adapter\nloads"):
+        t.add_column(h, justify="right", no_wrap=True)
+    for r in results:
+        a = str(r.server.max_loras) if r.server is not None else "-"
+        if r.oom:
+            t.add_row(a, "[red]oom[/red]", *["-"] * 6)
+            continue
+        t.add_row(a, fmt(r.throughput_tok_s), fmt(r.throughput_ratio, 3), _yes_no(r.starved),
+                  fmt(r.n_adapters_starved), fmt(r.itl_mean_ms), fmt(r.ttft_mean_ms, 0), fmt(r.n_adapter_loads))
+    con.print(t)
+    ok = [r for r in results if not r.oom and not r.starved and not r.adapter_starved]
+    con.print("safe = the server starts, throughput >= 0.9 x incoming and no adapter starved (each adapter "
+              ">= 90 % of its tokens served, none waiting > 5 min); oom = vLLM would not start.", highlight=False)
+    if ok:
+        best = min(ok, key=lambda r: r.ttft_mean_ms)
+        con.print(f"smallest safe --max-loras: [bold]{ok[0].server.max_loras}[/bold]; lowest TTFT at --max-loras "
+                  f"{best.server.max_loras}.", highlight=False)
+    else:
+        con.print("[red]no scanned --max-loras value serves this workload without starvation.[/red]")
 
 
 def simulate(
     workload: Annotated[Path, typer.Argument(help="Workload spec: YAML, or a CSV adapter_id,rank,rate_rps.")],
-    max_loras: Annotated[int, typer.Option("--max-loras", "-a", help="--max-loras: GPU adapter slots (A_max).")],
+    max_loras: Annotated[str, typer.Option(
+        "--max-loras", "-a", help="--max-loras: GPU adapter slots (A_max). A comma list (4,8,16,32) scans the "
+                                  "values on the same requests: one table row (one JSON object) per value.")],
     model: ModelOpt = None,
     gpu: GpuOpt = None,
     profile: ProfileOpt = None,
@@ -93,7 +149,11 @@ def simulate(
     from ..twin.run import ServerFlags
     from ..twin.run import simulate as run_sim
 
+    values = parse_int_list(max_loras, "--max-loras")
     if timeline is not None:  # before any work: a bad path is an error now, not after the run
+        if len(values) > 1:
+            raise SpecError(f"--timeline with --max-loras {max_loras}: a timeline is written for one "
+                            f"--max-loras value; scan without --timeline")
         check_output_file(timeline, "--timeline")
     if early_stop and client_cap > 0:
         raise SpecError(f"--early-stop with --client-cap {client_cap}: early termination needs the cap off "
@@ -110,23 +170,31 @@ def simulate(
         except SpecError as e:
             raise SpecError(f"--mean-input-tokens/--mean-output-tokens: {e}") from None
     compile_s = warm_up()
-    flags = ServerFlags(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, client_cap=client_cap,
-                        warm_start=not cold_start)
     from ..twin.early import EarlyStopOptions
 
-    out, res = run_sim(prof, wl, flags, duration_s, seed, EarlyStopOptions() if early_stop else None,
+    runs = []
+    for a in values:
+        flags = ServerFlags(max_loras=a, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens, client_cap=client_cap,
+                            warm_start=not cold_start)
+        m, r = run_sim(prof, wl, flags, duration_s, seed, EarlyStopOptions() if early_stop else None,
                        limits(force))
+        runs.append((m, r if not runs else None))  # (the timeline needs only the first engine result)
+    out, res = runs[0]
     if timeline is not None:
         if res is None:
             raise SpecError(f"--timeline {timeline}: no timeline, the server would not start ({out.error_type})")
         # gauges that count things are integers (as in vLLM's /metrics), the rest stay floats
         write_csv_atomic(timeline, {k: ([int(x) for x in v] if k.startswith("num_") else v)
                                     for k, v in res.timeline.items()})
+    ids = wl.adapter_ids
+    docs = [{**o.to_dict(), "starved_adapter_ids": _starved_ids(o, ids), "compile_s": compile_s} for o, _ in runs]
     if json_out:
-        print_json({**out.to_dict(), "compile_s": compile_s})
+        print_json(docs[0] if len(docs) == 1 else docs)
+        return
+    head = f"{prof.model} on {prof.gpu}: {wl.n_adapters} adapters, {out.duration_s:g} s, seed {seed}"
+    if len(runs) == 1:
+        render_run(out, ids, head)
     else:
-        srv = out.server
-        _render_sim(out, f"{prof.model} on {prof.gpu}: {wl.n_adapters} adapters, A={srv.max_loras}, "
-                         f"S={srv.max_lora_rank}, {out.duration_s:g} s, seed {seed}")
+        render_scan([o for o, _ in runs], head)

@@ -7,13 +7,12 @@ from ``results.json`` alone (``render_report``).
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..cli.common import json_safe
+from ..cli.common import fmt, json_safe
 from .runner import CONTRACT_KEYS
 
 BASELINES = ("dlora", "loraserve", "least-adapters", "round-robin", "proposed-lat")
@@ -122,35 +121,25 @@ def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
 # Markdown
 
 
-def _f(x: Any, digits: int = 1) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, float):
-        return "–" if not math.isfinite(x) else f"{x:,.{digits}f}"
-    return str(x)
-
-
 def _method_row(m: str, r: dict[str, Any]) -> list[str]:
     if r.get("error"):
         return [m, f"error: {r['error']}", *["–"] * (len(METHOD_COLUMNS) - 2)]
     if r.get("infeasible"):
-        return [m, "infeasible", "–", "–", _f(r.get("gpus_used_fixed_pool")), "–", "–", "–", "–", "–", "–",
-                _f(r.get("placement_ms")), "–"]
+        return [m, "infeasible", "–", "–", fmt(r.get("gpus_used_fixed_pool")), "–", "–", "–", "–", "–", "–",
+                fmt(r.get("placement_ms")), "–"]
     g = r.get("gpus_used")
-    gtxt = _f(g) if g is not None else f"none ≤ {max((p['pool'] for p in r.get('search', [])), default='?')}"
+    gtxt = fmt(g) if g is not None else f"none ≤ {max((p['pool'] for p in r.get('search', [])), default='?')}"
     fixed = r.get("fixed_pool") or {}
-    ftxt = _f(r.get("gpus_used_fixed_pool"))
+    ftxt = fmt(r.get("gpus_used_fixed_pool"))
     if fixed.get("infeasible"):
         ftxt = "infeasible"
     elif "gpus_used" in fixed and not fixed.get("replay_clean", True):
         ftxt += f" ({fixed.get('starved_gpus', 0)} st, {fixed.get('oom_gpus', 0)} oom)"
     added = r.get("verification_added_gpus")
-    return [m, gtxt, _f(r.get("replay_clean")), _f(r.get("gap_gpus")), ftxt, _f(r.get("starved_gpus")),
-            _f(r.get("oom_gpus")), _f(r.get("latency_violation_gpus")), _f(r.get("throughput_tok_s"), 0),
-            _f(r.get("itl_mean_ms")), f"{_f(r.get('ttft_mean_s'), 2)} / {_f(r.get('ttft_p99_s'), 1)}",
-            _f(r.get("placement_ms"), 2), "–" if added is None else f"+{added}"]
+    return [m, gtxt, fmt(r.get("replay_clean")), fmt(r.get("gap_gpus")), ftxt, fmt(r.get("starved_gpus")),
+            fmt(r.get("oom_gpus")), fmt(r.get("latency_violation_gpus")), fmt(r.get("throughput_tok_s"), 0),
+            fmt(r.get("itl_mean_ms")), f"{fmt(r.get('ttft_mean_s'), 2)} / {fmt(r.get('ttft_p99_s'), 1)}",
+            fmt(r.get("placement_ms"), 2), "–" if added is None else f"+{added}"]
 
 
 LEGEND = ("GPUs = smallest pool whose replay is clean (no refused GPU, none starved, every GPU within the latency "
@@ -226,7 +215,7 @@ def scenario_markdown(sc: dict[str, Any]) -> str:
     mp = sc.get("max_pack")
     if mp:
         out += "\nMax_pack (largest n not starved on one GPU) by --max-loras: " + ", ".join(
-            f"{a}: {_f(v)}" for a, v in mp.items()) + "\n"
+            f"{a}: {fmt(v)}" for a, v in mp.items()) + "\n"
     return out
 
 
@@ -242,22 +231,16 @@ def _cell(r: dict[str, Any] | None, key: str) -> str:
         return ""
     if r.get("error"):
         return "err."
-    if key == "gpus_used":
-        if r.get("infeasible"):
+    if key in ("gpus_used", "gpus_used_fixed_pool"):
+        # the protocol's own record: the method's result (smallest pool) or its fixed-pool sub-record
+        rec = r if key == "gpus_used" else (r.get("fixed_pool") or {})
+        if rec.get("infeasible"):
             return "inf."
         v = r.get(key)
         if v is None:
-            return "none"
-        return f"{v}!" if not r.get("replay_clean", True) else str(v)
-    if key == "gpus_used_fixed_pool":
-        fixed = r.get("fixed_pool") or {}
-        if fixed.get("infeasible"):
-            return "inf."
-        v = r.get(key)
-        if v is None:
-            return "–"
-        return f"{v}!" if not fixed.get("replay_clean", True) else str(v)
-    return _f(r.get(key))
+            return "none" if key == "gpus_used" else "-"
+        return f"{v}!" if not rec.get("replay_clean", True) else str(v)
+    return fmt(r.get(key))
 
 
 def compact_table(doc: dict[str, Any], methods: list[str] | None = None, key: str = "gpus_used") -> str:
@@ -310,6 +293,15 @@ def _group_key(sc: dict[str, Any]) -> tuple:
             s["windows"]["protocol"])
 
 
+def _save(fig: Any, out_dir: Path, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out_dir / name, dpi=100)
+    plt.close(fig)
+    return name
+
+
 def _log2_ticks(ax: Any, ns: list[int]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(ns)
@@ -348,10 +340,7 @@ def plot_figures(doc: dict[str, Any], out_dir: Path) -> list[str]:
         ax.grid(alpha=0.3)
         name = _slug(f"gpus-{model.split('-')[0]}-r{'-'.join(map(str, ranks))}-x{load:g}-{weights}-{objective}"
                      f"-{trace}-s{seed}-{proto}") + ".png"
-        fig.tight_layout()
-        fig.savefig(fig_dir / name, dpi=110)
-        plt.close(fig)
-        written.append(f"figures/{name}")
+        written.append("figures/" + _save(fig, fig_dir, name))
     for curve in doc.get("max_pack", []):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         incoming_drawn = False
@@ -365,15 +354,11 @@ def plot_figures(doc: dict[str, Any], out_dir: Path) -> list[str]:
                 incoming_drawn = True
         ax.set_xlabel("adapters on the GPU")
         ax.set_ylabel("throughput tok/s")
-        mp = ", ".join(f"{a}: {_f(c['max_pack'])}" for a, c in curve["by_slots"].items())
+        mp = ", ".join(f"{a}: {fmt(c['max_pack'])}" for a, c in curve["by_slots"].items())
         ax.set_title(f"Max_pack — {curve['scenario']}\n(x = starved; Max_pack {mp})", fontsize=8)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-        name = _slug(f"max_pack-{curve['scenario']}") + ".png"
-        fig.tight_layout()
-        fig.savefig(fig_dir / name, dpi=110)
-        plt.close(fig)
-        written.append(f"figures/{name}")
+        written.append("figures/" + _save(fig, fig_dir, _slug(f"max_pack-{curve['scenario']}") + ".png"))
     return written
 
 
@@ -486,11 +471,7 @@ def study_figures(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[
                     ax.set_ylabel("GPUs")
         axes[0][0].legend(fontsize=6)
         fig.suptitle(f"{model}: GPUs of the smallest replay-clean pool, objective {objective}", fontsize=10)
-        fig.tight_layout()
-        name = _slug(f"{prefix}gpus-{model}-{objective}") + ".png"
-        fig.savefig(out_dir / name, dpi=100)
-        plt.close(fig)
-        written.append(name)
+        written.append(_save(fig, out_dir, _slug(f"{prefix}gpus-{model}-{objective}") + ".png"))
     for (model,), scs in _by(doc, "model").items():
         n_max = max(s["n_adapters"] for s in scs)
         cells = [s for s in scs if s["n_adapters"] == n_max and s["name"] in curves]
@@ -513,15 +494,11 @@ def study_figures(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[
                     ax.plot(cv["n"], cv["incoming_tok_s"], "k--", label="incoming")
                     first = False
             ax.set_title(f"ranks {'/'.join(map(str, s['scenario']['ranks']))}, ×{s['load_scale']:g}: Max_pack "
-                         + ", ".join(f"{a}:{_f(cv['max_pack'])}" for a, cv in c["by_slots"].items()), fontsize=7)
+                         + ", ".join(f"{a}:{fmt(cv['max_pack'])}" for a, cv in c["by_slots"].items()), fontsize=7)
             ax.grid(alpha=0.3)
             ax.set_xlabel("adapters on one GPU")
             ax.set_ylabel("tok/s")
         axes[0][0].legend(fontsize=6)
         fig.suptitle(f"{model}: single-GPU throughput vs adapters (first n of the {n_max}; x = starved)", fontsize=10)
-        fig.tight_layout()
-        name = _slug(f"{prefix}max_pack-{model}") + ".png"
-        fig.savefig(out_dir / name, dpi=100)
-        plt.close(fig)
-        written.append(name)
+        written.append(_save(fig, out_dir, _slug(f"{prefix}max_pack-{model}") + ".png"))
     return written

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..errors import LorapackError
 from ..placement.plan import Plan
+from ..placement.search import bisect_smallest, first_true
 from ..profile import Profile
 from ..workload.derive import DerivedWorkload, DeriveOptions, derive_workload, profile_lengths
 from .methods import Bounds, Placer, PlaceRequest
@@ -137,24 +138,9 @@ def smallest_clean_pool(place: Callable[[int], Plan], replay: Callable[[Plan], F
     if clean(start):
         if start == lower or not clean(start - 1):
             return start, probes
-        lo, hi = lower - 1, start - 1  # invariant: hi clean, lo not clean (or below the range)
-    else:
-        lo, step, hi = start, 1, None
-        while lo < cap:
-            g = min(cap, lo + step)
-            if clean(g):
-                hi = g
-                break
-            lo, step = g, step * 2
-        if hi is None:
-            return None, probes
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if mid >= lower and clean(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi, probes
+        return first_true(clean, lower - 1, start - 1), probes
+    best, _ = bisect_smallest(clean, start + 1, cap)  # galloping up from the start, then bisection
+    return best, probes
 
 
 def run_method(placer: Placer, ctx: Context, sc: Scenario, method: str, objective: LatencyObjective

@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -43,7 +44,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..errors import SpecError
-from ..spec import _Frozen, _no_bool, validate_yaml_file
+from ..spec import _finite_nonnegative, _finite_positive, _Frozen, _no_bool, validate_yaml_file
 from ..workload.derive import DEFAULT_JITTER_S, DEFAULT_SPLIT_S, PROTOCOLS, AdapterWeights, parse_weights
 
 SHIPPED_TRACES = {"azure-conv": "azure-llm-2023-conv.csv", "azure-code": "azure-llm-2023-code.csv"}
@@ -62,6 +63,15 @@ def _distinct(values: list) -> list:
     return values
 
 
+def _distinct_where(ok: Callable[[Any], bool], message: str) -> Callable[[list], list]:
+    """A validator of an axis: every value passes ``ok`` (else ``message``) and no value repeats."""
+    def check(values: list) -> list:
+        if not all(ok(v) for v in values):
+            raise ValueError(message)
+        return _distinct(values)
+    return check
+
+
 class WindowsSpec(_Frozen):
     """Estimation / replay windows (``lorapack.workload.derive``)."""
 
@@ -70,20 +80,8 @@ class WindowsSpec(_Frozen):
     jitter_s: float = DEFAULT_JITTER_S
 
     _nb = field_validator("split_s", "jitter_s", mode="before")(_no_bool)
-
-    @field_validator("split_s")
-    @classmethod
-    def _split(cls, value: float) -> float:
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError("expected a finite number of seconds > 0")
-        return value
-
-    @field_validator("jitter_s")
-    @classmethod
-    def _jitter(cls, value: float) -> float:
-        if not math.isfinite(value) or value < 0:
-            raise ValueError("expected a finite number of seconds >= 0")
-        return value
+    _sp = field_validator("split_s")(_finite_positive)
+    _ji = field_validator("jitter_s")(_finite_nonnegative)
 
 
 class ObjectiveSpec(_Frozen):
@@ -170,19 +168,10 @@ class ScenarioFile(_Frozen):
                 _no_bool(x)
         return value
 
-    @field_validator("n_adapters")
-    @classmethod
-    def _n(cls, value: list[int]) -> list[int]:
-        if any(v < 1 for v in value):
-            raise ValueError("expected integers >= 1")
-        return _distinct(value)
-
-    @field_validator("load_scale")
-    @classmethod
-    def _k(cls, value: list[float]) -> list[float]:
-        if any(not math.isfinite(v) or v <= 0 for v in value):
-            raise ValueError("expected finite numbers > 0")
-        return _distinct(value)
+    _n = field_validator("n_adapters")(_distinct_where(lambda v: v >= 1, "expected integers >= 1"))
+    _k = field_validator("load_scale")(_distinct_where(lambda v: math.isfinite(v) and v > 0,
+                                                       "expected finite numbers > 0"))
+    _sd = field_validator("seed")(_distinct_where(lambda v: v >= 0, "expected non-negative integers"))
 
     @field_validator("weights")
     @classmethod
@@ -203,13 +192,6 @@ class ScenarioFile(_Frozen):
                     raise ValueError(f"expected ranks between 1 and {VLLM_LORA_RANKS[-1]} (got {r})")
             out.append(sorted(set(rs)))
         return _distinct(out)
-
-    @field_validator("seed")
-    @classmethod
-    def _seeds(cls, value: list[int]) -> list[int]:
-        if any(v < 0 for v in value):
-            raise ValueError("expected non-negative integers")
-        return _distinct(value)
 
     @field_validator("replay_seed")
     @classmethod

@@ -40,7 +40,6 @@ from .api import (
     POOL_METHODS,
     Context,
     assign,
-    bisect_smallest,
     place,
     smallest_pool,
 )
@@ -55,10 +54,11 @@ from .problem import (
     instance_from_workload,
     make_instance,
 )
+from .search import bisect_smallest, first_true
 
 __all__ = [
     "BINDING", "DEFAULT_HEADROOM", "DEFAULT_MAX_TTFT_S", "DEFAULT_VERIFY_SEEDS", "GREEDY_METHODS", "METHODS",
     "METHOD_ORACLE", "N_MAX", "POOL_METHODS", "TESTING_POINTS", "Context", "GpuMetrics", "GpuPlan", "Infeasible",
     "Instance", "LowerBound", "Objective", "Plan", "assign", "bisect_smallest", "instance_from_workload",
-    "lower_bound", "make_instance", "place", "plan_from_dict", "smallest_pool", "zigzag_order",
+    "first_true", "lower_bound", "make_instance", "place", "plan_from_dict", "smallest_pool", "zigzag_order",
 ]

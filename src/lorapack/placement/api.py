@@ -35,6 +35,7 @@ from .greedy import N_MAX, GpuFill, GreedyOptions, Infeasible, balanced_plan, gr
 from .oracles import ParallelTwinOracle, default_workers, exact_oracle, learned_oracle
 from .plan import GpuMetrics, GpuPlan, Plan
 from .problem import DEFAULT_HEADROOM, Instance, Objective, instance_from_workload, split_entries
+from .search import bisect_smallest
 from .verify import RepairLog, Verdict, repair
 
 GREEDY_METHODS = ("proposed", "proposed-fast", "proposed-exact")
@@ -135,39 +136,6 @@ def _op(inst: Instance, ctx: Context) -> dict[int, float]:
     """LoRAServe's operating point per slot rank: the twin's saturated throughput C(S) of the bound."""
     cap = ctx.cap(inst)
     return {s: cap(s) for s in sorted({default_slot_rank(int(r)) for r in inst.ranks})}
-
-
-def bisect_smallest(feasible: Callable[[int], bool], lo: int, hi: int) -> tuple[int | None, list[tuple[int, bool]]]:
-    """Smallest G in [lo, hi] with ``feasible(G)``, assuming feasibility is monotone in G: galloping up from
-    ``lo`` (lo, lo+1, lo+3, lo+7, ...) to the first feasible G, then bisection below it. Returns
-    ``(G or None, probes)``."""
-    probes: list[tuple[int, bool]] = []
-    memo: dict[int, bool] = {}
-
-    def test(g: int) -> bool:
-        if g not in memo:
-            memo[g] = bool(feasible(g))
-            probes.append((g, memo[g]))
-        return memo[g]
-
-    lo = max(1, lo)
-    if hi < lo:
-        return None, probes
-    bad, step, g = lo - 1, 1, lo
-    while not test(g):
-        bad = g
-        if g >= hi:
-            return None, probes
-        g = min(g + step, hi)
-        step *= 2
-    good = g
-    while good - bad > 1:
-        mid = (good + bad) // 2
-        if test(mid):
-            good = mid
-        else:
-            bad = mid
-    return good, probes
 
 
 def gpus_pass(inst: Instance, ctx: Context, a: Assignment, oracle: Oracle) -> bool:
@@ -462,7 +430,8 @@ def _run(method: str, inst: Instance, ctx: Context, gpus: int | None, bound: Low
                                       min_gpus=bound.gpus,
                                       on_try=lambda g: ctx.say(f"{method}: trying a balanced plan on {g} GPUs"))
         info.update(greedy_gpus=n_greedy, plan_origin=origin, oracle_calls=stats.get("oracle_calls"),
-                    oracle_rows=stats.get("oracle_rows"), lookahead=stats.get("lookahead"))
+                    oracle_rows=stats.get("oracle_rows"), oracle_out_of_range=stats.get("oracle_out_of_range"),
+                    lookahead=stats.get("lookahead"))
         return fills, info, inst
     if gpus is not None:
         a = assign(method, inst, ctx, gpus)

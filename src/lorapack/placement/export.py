@@ -15,7 +15,6 @@ without a ``path`` in the workload are loaded from ``$LORA_DIR/<id>``.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,24 +130,26 @@ def routes(plan: Plan, endpoints: Endpoints = Endpoints()) -> dict[str, list[dic
 
 
 def check_out_dir(out: Path) -> Path:
-    """Refuse an output directory that cannot be written, before any work starts."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise SpecError(f"--out {out}: exists and is not a directory")
-    parent = out if out.exists() else out.parent
-    if not parent.exists():
-        raise SpecError(f"--out {out}: parent directory {parent} does not exist")
+    """Refuse an output directory that cannot be written, before any work starts (the shared rule of
+    ``lorapack.checks``: created when missing, never its missing parents), nor one whose output names are
+    taken by directories."""
+    from ..checks import check_output_dir
+
+    out = check_output_dir(out, "--out")
     for name in OUTPUT_FILES:
         if (out / name).is_dir():
             raise SpecError(f"--out {out}: {out / name} is a directory")
-    if not os.access(parent, os.W_OK):
-        raise SpecError(f"--out {out}: directory {parent} is not writable")
     return out
 
 
 def write_outputs(plan: Plan, out: Path, paths: dict[str, str] | None = None,
                   endpoints: Endpoints = Endpoints()) -> list[Path]:
-    """Write plan.json, serve.sh and routes.json into ``out`` (temporary files first: all or nothing)."""
+    """Write plan.json, serve.sh and routes.json into ``out``: every file is written to a temporary file first
+    and the three are renamed into place only when all were written (nothing half-written, nothing left)."""
+    from contextlib import ExitStack
+
+    from ..checks import atomic_path
+
     out = check_out_dir(out)
     out.mkdir(exist_ok=True)
     texts = {
@@ -156,16 +157,10 @@ def write_outputs(plan: Plan, out: Path, paths: dict[str, str] | None = None,
         "serve.sh": serve_script(plan, paths, endpoints),
         "routes.json": json.dumps(routes(plan, endpoints), indent=1) + "\n",
     }
-    tmps = []
-    try:
+    with ExitStack() as stack:
         for name, text in texts.items():
-            tmp = out / f".{name}.tmp"
-            tmp.write_text(text)
-            tmps.append((tmp, out / name))
-        for tmp, dest in tmps:
-            tmp.replace(dest)
-        (out / "serve.sh").chmod(0o755)
-    finally:
-        for tmp, _ in tmps:
-            tmp.unlink(missing_ok=True)
+            tmp = stack.enter_context(atomic_path(out / name))
+            tmp.write_text(text, encoding="utf-8")
+            if name == "serve.sh":
+                tmp.chmod(0o755)
     return [out / name for name in OUTPUT_FILES]

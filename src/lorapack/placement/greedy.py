@@ -33,6 +33,7 @@ from ..errors import LorapackError
 from ..oracle import GpuCandidate, Oracle, Prediction, TwinOracle, default_slot_rank
 from ..profile import Profile
 from .problem import STARVATION_RATIO, Instance, Objective
+from .search import first_true
 
 TESTING_POINTS: tuple[int, ...] = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
 SLOT_GRID: tuple[int, ...] = TESTING_POINTS
@@ -59,7 +60,10 @@ class GreedyOptions:
     n_max: int = N_MAX
     clip_amax: bool = True  # plan A = min(A, adapters on the GPU)
     require_throughput: bool = False  # also reject when predicted throughput < 0.9 x offered
-    tie_tolerance: float = 0.005  # throughputs within 0.5 % are a tie (-> the larger A)
+    # throughputs within 2 % of the offered load are a tie (-> lower latency, then the larger A): a GPU that
+    # serves its load differs between candidates only by the tokens in flight when the window ends
+    tie_tolerance: float = 0.02
+    latency_tolerance: float = 0.1  # latency uses within 10 % are a tie (-> the larger A)
     lookahead: bool | None = None  # None: decided by the oracle (cheap oracles look ahead)
     rebalance: bool = True  # compare with balanced plans on fewer GPUs
     # a GPU that fails its first testing point with nothing committed tries these smaller counts (all resident)
@@ -130,7 +134,7 @@ class MemoryRule:
 def choose(cands: Sequence[int], preds: Sequence[Prediction], objective: Objective, n_test: int,
            options: GreedyOptions) -> tuple[int | None, Prediction | None, str]:
     """The TEST's decision among ``--max-loras`` candidates: ``(A, prediction, "")`` for the feasible one with
-    the highest throughput (ties -> larger A), else ``(None, None, binding)``."""
+    the highest throughput (ties: the lower latency use, then the larger A), else ``(None, None, binding)``."""
     ok: list[tuple[int, Prediction]] = []
     reasons: list[str] = []
     for c, p in zip(cands, preds, strict=True):
@@ -149,12 +153,17 @@ def choose(cands: Sequence[int], preds: Sequence[Prediction], objective: Objecti
     thr = [p.throughput_tok_s for _, p in ok]
     finite = [t for t in thr if math.isfinite(t)]
     top = max(finite) if finite else math.nan
-    best: tuple[int, Prediction] | None = None
-    for (c, p), t in zip(ok, thr, strict=True):
-        tie = not math.isfinite(t) or not math.isfinite(top) or t >= top * (1.0 - options.tie_tolerance)
-        if tie and (best is None or c > best[0]):
-            best = (c, p)
-    assert best is not None
+    offered = max((p.incoming_tok_s for _, p in ok if math.isfinite(p.incoming_tok_s)), default=math.nan)
+    scale = offered if math.isfinite(offered) and offered > 0 else top
+    near = [(c, p) for (c, p), t in zip(ok, thr, strict=True)
+            if not math.isfinite(t) or not math.isfinite(top) or t >= top - options.tie_tolerance * scale]
+    # among throughput ties: the one furthest from the latency limits (when the objective sets any and the
+    # oracle predicts them; within latency_tolerance it is a tie too), then the larger A (the paper's rule)
+    use = [objective.latency_use(p) for _, p in near]
+    low = min((u for u in use if math.isfinite(u)), default=math.nan)
+    best = max(((c, p) for (c, p), u in zip(near, use, strict=True)
+                if not math.isfinite(low) or not math.isfinite(u) or u <= low * (1.0 + options.latency_tolerance)),
+               key=lambda cp: cp[0])
     return best[0], best[1], ""
 
 
@@ -171,6 +180,7 @@ class _Walker:
         self.lookahead = is_cheap(oracle) if options.lookahead is None else options.lookahead
         self.calls = 0
         self.rows = 0
+        self.out_of_range = 0  # answers a learned oracle gave outside its training data
 
     def _arrays(self, start: int, n_real: int, n_test: int) -> tuple[np.ndarray, np.ndarray]:
         idx = self.order[start:start + n_real]
@@ -191,7 +201,9 @@ class _Walker:
             return []
         self.calls += 1
         self.rows += len(cands)
-        return self.oracle.predict(cands)
+        preds = self.oracle.predict(cands)
+        self.out_of_range += sum(not p.in_range for p in preds)
+        return preds
 
     def fill(self, start: int) -> GpuFill:
         """Fill one GPU from work position ``start``; returns its committed entries (possibly none)."""
@@ -225,6 +237,8 @@ class _Walker:
                 for a, p in zip(cands, self._predict([self._cand(rk, rt, a) for a in cands]), strict=True):
                     answers[(k, a)] = p
             a_best, pred, why = choose(cands, [answers[(k, a)] for a in cands], self.objective, nt, self.opt)
+            if why == "slots" and self.mem.max_slots(slot_s[k]) < nt:
+                why = "memory"  # more slots would help, but vLLM would not start with them
             if a_best is None and k == 0:
                 sub = self._sub_point(start, nr, nt, why)
                 if sub is not None:
@@ -288,7 +302,8 @@ def greedy_fill(inst: Instance, profile: Profile, oracle: Oracle, objective: Obj
         gpus.append(g)
         pos += len(g.entries)
     if stats is not None:
-        stats.update(oracle_calls=w.calls, oracle_rows=w.rows, lookahead=w.lookahead)
+        stats.update(oracle_calls=w.calls, oracle_rows=w.rows, oracle_out_of_range=w.out_of_range,
+                     lookahead=w.lookahead)
     return gpus
 
 
@@ -341,10 +356,13 @@ def fit_slots_many(inst: Instance, profile: Profile, oracle: Oracle, objective: 
         for g, idx in enumerate(hosts):
             if not idx:
                 continue
-            s = default_slot_rank(int(inst.ranks[idx].max()))
+            ix = np.asarray(idx, dtype=np.int64)
+            rk, rt = inst.ranks[ix], inst.rates_rps[ix]  # sliced once for every A
+            s = default_slot_rank(int(rk.max()))
             for a in slot_candidates(len(idx), s, mem, options.slot_grid, top):
                 keys.append((j, g, a))
-                cands.append(inst.candidate(profile, idx, a))
+                cands.append(GpuCandidate.prevalidated(profile, rk, rt, a, inst.mean_input_tokens,
+                                                       inst.mean_output_tokens))
     preds = dict(zip(keys, oracle.predict(cands) if cands else [], strict=True))
     by_gpu: dict[tuple[int, int], list[int]] = {}
     for j, g, a in keys:
@@ -386,11 +404,41 @@ def balanced_plan(inst: Instance, profile: Profile, oracle: Oracle, objective: O
             if fills is not None:
                 return fills, name
         return None
-    for name, hosts in zip(names, deals, strict=True):  # the twin: only the two largest A per GPU, lazily
-        fills = fit_slots(inst, profile, oracle, objective, hosts, options, top=2)
+    for name, hosts in zip(names, deals, strict=True):  # the twin: lazily, GPU by GPU
+        fills = fit_slots_lazy(inst, profile, oracle, objective, hosts, options)
         if fills is not None:
             return fills, name
     return None
+
+
+def fit_slots_lazy(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective,
+                   hosts: list[list[int]], options: GreedyOptions = GreedyOptions(), batch: int = 2,
+                   mem: MemoryRule | None = None) -> list[GpuFill] | None:
+    """``fit_slots`` for an expensive oracle: GPU by GPU, ``--max-loras`` values from the largest down in batches
+    of ``batch`` (run in parallel), stopping at the first batch with a value that meets the objective, and at
+    the first GPU with none (the assignment fails: the remaining GPUs are not asked about). Every value is tried
+    before a GPU is given up, so it fails exactly when ``fit_slots`` does."""
+    mem = mem or MemoryRule(profile)
+    out: list[GpuFill] = []
+    for idx in hosts:
+        if not idx:
+            continue
+        s = default_slot_rank(int(inst.ranks[idx].max()))
+        avals = slot_candidates(len(idx), s, mem, options.slot_grid)[::-1]
+        tried: list[int] = []
+        preds: list[Prediction] = []
+        a = None
+        for k in range(0, len(avals), batch):
+            part = avals[k:k + batch]
+            tried += part
+            preds += oracle.predict([inst.candidate(profile, idx, x) for x in part])
+            a, p, _why = choose(tried, preds, objective, len(idx), options)
+            if a is not None:
+                break
+        if a is None:
+            return None
+        out.append(GpuFill(entries=list(idx), max_loras=a, prediction=p, binding="none"))
+    return out
 
 
 def rebalance(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective, gpus: list[GpuFill],
@@ -427,6 +475,5 @@ def rebalance(inst: Instance, profile: Profile, oracle: Oracle, objective: Objec
     step = 1  # gallop down from the smallest count that works, then bisect
     while hi - step > lo and attempt(hi - step):
         step *= 2
-    while hi - lo > 1:
-        attempt((lo + hi) // 2)
+    first_true(attempt, lo, hi)  # attempt() records the best plan and narrows lo / hi itself
     return best, origin

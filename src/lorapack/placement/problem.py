@@ -70,6 +70,14 @@ class Objective:
                 "max_itl_p99_ms": itl_p99_ms}
         return [k for k, lim in self.limits().items() if vals[k] > lim]  # NaN > x is False
 
+    def latency_use(self, p: Prediction) -> float:
+        """The largest share of a latency limit the prediction uses (0.4 = 40 % of the tightest limit); NaN
+        when the objective sets no limit or the oracle predicts none of the limited values."""
+        vals = {"max_ttft_s": p.ttft_s, "max_itl_ms": p.itl_ms, "max_ttft_p99_s": p.ttft_p99_s,
+                "max_itl_p99_ms": p.itl_p99_ms}
+        uses = [vals[k] / lim for k, lim in self.limits().items() if math.isfinite(vals[k])]
+        return max(uses) if uses else math.nan
+
     def check(self, p: Prediction) -> str | None:
         """``None`` if the predicted GPU meets the objective, else the binding constraint: ``memory`` (vLLM
         does not start), ``throughput`` (starved: the paper's label or an adapter starved) or ``latency``."""

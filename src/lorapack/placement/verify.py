@@ -21,6 +21,7 @@ from ..oracle import GpuCandidate, Oracle, Prediction, default_slot_rank
 from ..profile import Profile
 from .greedy import GpuFill, GreedyOptions, Infeasible, MemoryRule, fit_slots, greedy_fill
 from .problem import Instance, Objective
+from .search import first_true
 
 MAX_REPAIR_ROUNDS = 8
 
@@ -52,11 +53,9 @@ def judge(objective: Objective, cand: GpuCandidate, entries: list[int], p: Predi
     starved = sorted({entries[i] for r in runs for i in (r.get("starved_adapter_indices") or [])})
     if any(bool(r.get("starved")) for r in runs) or p.starved >= 0.5:
         n = sum(bool(r.get("starved")) for r in runs)
-        why = "slots" if cand.max_loras < cand.n_adapters else "throughput"
-        return Verdict(False, why, p, starved, f"starved in {n} of {len(runs)} seeds")
+        return Verdict(False, _starved_why(cand), p, starved, f"starved in {n} of {len(runs)} seeds")
     if starved or p.adapter_starved > 0:
-        why = "slots" if cand.max_loras < cand.n_adapters else "throughput"
-        return Verdict(False, why, p, starved, f"{len(starved)} adapter(s) starved")
+        return Verdict(False, _starved_why(cand), p, starved, f"{len(starved)} adapter(s) starved")
     for r in runs or [None]:
         vals = (p.ttft_s, p.itl_ms, p.ttft_p99_s, p.itl_p99_ms) if r is None else (
             _f(r.get("ttft_mean_ms")) / 1e3, _f(r.get("itl_mean_ms")), _f(r.get("ttft_p99_ms")) / 1e3,
@@ -65,6 +64,14 @@ def judge(objective: Objective, cand: GpuCandidate, entries: list[int], p: Predi
         if bad:
             return Verdict(False, "latency", p, starved, f"{bad[0]} exceeded")
     return Verdict(True, "", p, starved)
+
+
+def _starved_why(cand: GpuCandidate) -> str:
+    """Starved with every adapter resident: throughput; with fewer slots than adapters: slots, or memory when
+    vLLM would not start with enough slots for all of them."""
+    if cand.max_loras >= cand.n_adapters:
+        return "throughput"
+    return "memory" if not cand.profile.startup(cand.n_adapters, cand.slot_rank)[0] else "slots"
 
 
 def _f(x) -> float:
@@ -165,14 +172,7 @@ def _longest_passing_prefix(inst: Instance, profile: Profile, f: GpuFill, shares
         return hi
     if hi > 1 and ok(hi - 1):  # the common case: one adapter too many (cheap first probe)
         return hi - 1
-    hi -= 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return first_true(lambda p: not ok(p), lo, hi - 1) - 1  # the first prefix that fails, minus one
 
 
 def _rehome(inst: Instance, profile: Profile, fills: list[GpuFill], verdicts: list[Verdict], changed: set[int],

@@ -47,6 +47,7 @@ def _array(name: str, values, kind: str) -> np.ndarray:
     if kind == "float":
         return np.ascontiguousarray(a, dtype=np.float64)
     if a.dtype.kind == "f":
+        a = a.astype(np.float64)  # float32 cannot hold 2**31 - 1: range checks must not round
         with np.errstate(invalid="ignore"):
             bad = ~np.isfinite(a) | (a != np.round(a))
         if bad.any():

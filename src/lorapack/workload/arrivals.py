@@ -50,7 +50,8 @@ def renewal_times(draw_gaps: GapSampler, rate_rps: float, window_s: float, cv: f
     while True:
         gaps = draw_gaps(n)
         gaps[0] += t_last
-        t = np.cumsum(gaps)
+        with np.errstate(over="ignore"):  # huge gaps of a tiny rate sum to inf: no arrival, which is right
+            t = np.cumsum(gaps)
         done = not t[-1] < window_s  # also stops on inf/nan from absurdly small rates
         if done:
             t = t[: np.searchsorted(t, window_s, side="left")]
