@@ -27,6 +27,7 @@ Usage: ``python bench/placement_speed.py [--model M] [--reps 5] [--workers 2] [-
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -187,7 +188,8 @@ def main() -> None:
     prof = find_profile(args.model)
     warm_up()
     load0 = os.getloadavg()
-    results: dict = {"model": args.model, "machine": platform.platform(), "cpus": os.cpu_count(),
+    results: dict = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                     "model": args.model, "machine": platform.platform(), "cpus": os.cpu_count(),
                      "loadavg_start": load0, "workers": args.workers, "reps": args.reps, "instances": {}}
     # start and warm the twin's worker processes outside every timing
     run_parallel(warm_up, [()] * args.workers, args.workers)

@@ -68,7 +68,56 @@ def twin_speed_figures() -> str:
             f"{len(speedups)} configurations it was timed on).")
 
 
+def _ms(row: dict | None) -> str:
+    if row is None:
+        return "—"
+    if not row.get("available"):
+        return "unavailable"
+    ms = row["placement_ms"]
+    return f"{ms / 1000:.1f} s" if ms >= 1000 else (f"{ms:.0f} ms" if ms >= 1 else "< 1 ms")
+
+
+def placement_speed_figures() -> str:
+    """docs/placement.md: every method's placement time on 1,280 and 10,000 adapters."""
+    d = _load("placement_speed.json")
+    small, large = d["instances"].get("1280", {}), d["instances"].get("10000", {})
+    load = d.get("loadavg_start", [float("nan")])[0]
+    notes = {"proposed-exact": "the twin: 1 seed, 1,200 s, early stop, 2 workers",
+             "driver (toy oracle)": "the greedy driver alone (constant oracle): the floor under `proposed`",
+             "round-robin": "its one `--max-loras` is chosen with the twin",
+             "dlora": "paper: 650 ms on 1,280", "loraserve": "paper: 3 ms on 1,280",
+             "proposed": "target <= 50 ms (1,280) and <= 1 s (10,000)", "proposed-fast": "paper: 4 ms on 1,280"}
+    rows = [f"Last run: {_day(d)}, {d['cpus']}-core machine, load average {load:.0f} at the start (other jobs "
+            f"running), `bench/results/placement_speed.json`; placement only, median of {d['reps']} (3 for "
+            f"`proposed-exact`, 1 for `round-robin`); fixed pool = the GPUs of `proposed-exact` (1,280) or the "
+            f"lower bound (10,000).", "",
+            "| method | 1,280 adapters | 10,000 adapters | note |", "|---|---|---|---|"]
+    names = list(dict.fromkeys([*small.get("methods", {}), *large.get("methods", {})]))
+    for m in names:
+        a, b = small.get("methods", {}).get(m), large.get("methods", {}).get(m)
+        gpus = f" → {a['gpus_used']} GPUs" if a and a.get("available") and "gpus_used" in a else ""
+        rows.append(f"| `{m}` | {_ms(a)}{gpus} | {_ms(b)} | {notes.get(m, '')} |")
+        if m == "proposed-exact" and a and a.get("available"):
+            v = a["verification"]
+            rows.append(f"| its verification | {a['verification_ms'] / 1000:.1f} s ({a['verified_gpus_used']} GPUs x "
+                        f"{len(v['seeds'])} seeds x {v['duration_s']:.0f} s, {v['gpus_added']} GPUs added) | — | "
+                        f"timed separately |")
+    return "\n".join(rows)
+
+
+def placement_readme_figures() -> str:
+    """README.md: proposed-exact's time on 1,280 adapters."""
+    d = _load("placement_speed.json")
+    a = d["instances"]["1280"]["methods"]["proposed-exact"]
+    return (f"`python bench/placement_speed.py` times every placement method: `proposed-exact` places 1,280 adapters "
+            f"({a['gpus_used']} GPUs) in {a['placement_ms'] / 1000:.1f} s and verifies them in "
+            f"{a['verification_ms'] / 1000:.1f} s (target <= 10 s; {_day(d)}, load average "
+            f"{d.get('loadavg_start', [float('nan')])[0]:.0f} on {d['cpus']} cores; table in `docs/placement.md`).")
+
+
 BLOCKS: dict[str, tuple[str, Callable[[], str]]] = {
+    "placement-speed": ("docs/placement.md", placement_speed_figures),
+    "placement-speed-readme": ("README.md", placement_readme_figures),
     "sweep": ("docs/sweep.md", sweep_figures),
     "twin-speed": ("README.md", twin_speed_figures),
 }

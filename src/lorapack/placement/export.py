@@ -144,7 +144,12 @@ def check_out_dir(out: Path) -> Path:
 
 def write_outputs(plan: Plan, out: Path, paths: dict[str, str] | None = None,
                   endpoints: Endpoints = Endpoints()) -> list[Path]:
-    """Write plan.json, serve.sh and routes.json into ``out`` (temporary files first: all or nothing)."""
+    """Write plan.json, serve.sh and routes.json into ``out``: every file is written to a temporary file first
+    and the three are renamed into place only when all were written (nothing half-written, nothing left)."""
+    from contextlib import ExitStack
+
+    from ..checks import atomic_path
+
     out = check_out_dir(out)
     out.mkdir(exist_ok=True)
     texts = {
@@ -152,16 +157,10 @@ def write_outputs(plan: Plan, out: Path, paths: dict[str, str] | None = None,
         "serve.sh": serve_script(plan, paths, endpoints),
         "routes.json": json.dumps(routes(plan, endpoints), indent=1) + "\n",
     }
-    tmps = []
-    try:
+    with ExitStack() as stack:
         for name, text in texts.items():
-            tmp = out / f".{name}.tmp"
-            tmp.write_text(text)
-            tmps.append((tmp, out / name))
-        for tmp, dest in tmps:
-            tmp.replace(dest)
-        (out / "serve.sh").chmod(0o755)
-    finally:
-        for tmp, _ in tmps:
-            tmp.unlink(missing_ok=True)
+            tmp = stack.enter_context(atomic_path(out / name))
+            tmp.write_text(text, encoding="utf-8")
+            if name == "serve.sh":
+                tmp.chmod(0o755)
     return [out / name for name in OUTPUT_FILES]

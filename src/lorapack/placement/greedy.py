@@ -356,10 +356,13 @@ def fit_slots_many(inst: Instance, profile: Profile, oracle: Oracle, objective: 
         for g, idx in enumerate(hosts):
             if not idx:
                 continue
-            s = default_slot_rank(int(inst.ranks[idx].max()))
+            ix = np.asarray(idx, dtype=np.int64)
+            rk, rt = inst.ranks[ix], inst.rates_rps[ix]  # sliced once for every A
+            s = default_slot_rank(int(rk.max()))
             for a in slot_candidates(len(idx), s, mem, options.slot_grid, top):
                 keys.append((j, g, a))
-                cands.append(inst.candidate(profile, idx, a))
+                cands.append(GpuCandidate.prevalidated(profile, rk, rt, a, inst.mean_input_tokens,
+                                                       inst.mean_output_tokens))
     preds = dict(zip(keys, oracle.predict(cands) if cands else [], strict=True))
     by_gpu: dict[tuple[int, int], list[int]] = {}
     for j, g, a in keys:
