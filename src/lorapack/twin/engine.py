@@ -722,11 +722,14 @@ class Engine:
 
     def snapshot(self) -> dict:
         """Counters a router or an early-stop rule may look at (cheap: no per-request work)."""
-        c, q = self.counters, self.state.queue
+        c, req = self.counters, self.state.requests
         oldest_wait_s = 0.0
-        if c["n_waiting"] > 0 and q.all_key[1] < INF_KEY:
-            r = q.head[q.all_adapter[1]]  # head of the adapter holding the smallest key
-            oldest_wait_s = self.t_s - float(self.state.requests.t_sent_s[r])
+        if c["n_waiting"] > 0:
+            # the age of the oldest *waiting* request (a preemption victim keeps its send time). Queue keys
+            # order admission, not age (victims sort first, latest victim first), so scan the injected ones.
+            n_injected = int(c["next_arrival_index"])
+            waiting = req.status[:n_injected] == WAITING
+            oldest_wait_s = self.t_s - float(req.t_sent_s[:n_injected][waiting].min())
         return {
             "t_s": self.t_s, "num_requests_running": int(c["n_running"]),
             "num_requests_waiting": int(c["n_waiting"]),
