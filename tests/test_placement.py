@@ -419,3 +419,11 @@ def test_throughput_ties_go_to_the_lower_latency_then_the_larger_max_loras() -> 
     # infeasible candidates never win: over the TTFT limit
     assert choose([32, 64], [pred(1000, 2.5), pred(900, 0.5)], lat, 64, opts)[0] == 64
     assert choose([32, 64], [pred(1000, 2.5), pred(900, 3.0)], lat, 64, opts) == (None, None, "latency")
+
+
+def test_an_oracle_that_refuses_a_light_adapter_alone_is_named_not_the_adapter() -> None:
+    # a toy with a TTFT prediction above the limit everywhere (as a coarse learned model may have)
+    plan = place(instance(np.full(10, 0.1)), LLAMA, "proposed", objective=Objective(max_ttft_s=2.0),
+                 **toy_kwargs(10.0, ttft_s=2.5))
+    assert plan.infeasible and "oracle refuses adapter" in plan.reason and "proposed-exact" in plan.reason
+    assert "split-hot" not in plan.reason

@@ -149,8 +149,18 @@ def _render(plan, files: list[Path]) -> None:
         + (f"; verification {plan.verification_ms / 1e3:,.1f} s, {len(v.get('seeds', []))} seeds x "
            f"{v.get('duration_s', 0):,.0f} s per GPU, {v.get('gpus_added', 0)} GPU(s) added by repair"
            if v else "; not verified (--no-verify)"),
-        f"objective: {plan.settings['objective']}; headroom {plan.settings['headroom']:g}",
+        f"objective: {_objective_text(plan.settings['objective'])}; planned for the forecast rates x "
+        f"{1 + plan.settings['headroom']:g} (--headroom {plan.settings['headroom']:g})",
         "wrote " + ", ".join(str(f) for f in files),
     ]
     for line in lines:
         console.print(line, highlight=False)
+
+
+_LIMIT_TEXT = {"max_ttft_s": "mean TTFT <= {:g} s", "max_itl_ms": "mean ITL <= {:g} ms",
+               "max_ttft_p99_s": "p99 TTFT <= {:g} s", "max_itl_p99_ms": "p99 ITL <= {:g} ms"}
+
+
+def _objective_text(obj: dict) -> str:
+    limits = [t.format(obj[k]) for k, t in _LIMIT_TEXT.items() if obj.get(k) is not None]
+    return ", ".join(["not starved (>= 90 % of the offered tokens, every adapter served)", *limits])

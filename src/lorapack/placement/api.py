@@ -382,6 +382,24 @@ def _verification_dict(verifier: Oracle, seeds: int, before: int, fills: list[Gp
             "events": log.events[:50], "simulations": getattr(verifier, "n_simulations", None)}
 
 
+def _refused_not_hot(inst: Instance, e: Infeasible, bound: LowerBound, oracle_name: str) -> Infeasible | None:
+    """When the oracle refuses an adapter alone whose demand one GPU can serve (at most SPLIT_TARGET x K(S)):
+    the error says that the oracle's predictions do not fit the workload (splitting would not help)."""
+    if not e.hot:
+        return None
+    a = e.hot[0]
+    idx = [i for i, x in enumerate(inst.adapter_ids) if x == a]
+    d = float(inst.demand_tok_s[idx].sum())
+    s = default_slot_rank(int(inst.ranks[idx[0]]))
+    k = max(v for x, v in bound.capacity_tok_s.items() if x >= s)
+    if d > SPLIT_TARGET * k:
+        return None
+    return Infeasible(f"the {oracle_name} oracle refuses adapter '{a}' even alone on a GPU ({e.binding or 'fails'}) "
+                      f"although it asks {d:,.0f} tok/s of the {k:,.0f} one GPU can take: its predictions do not "
+                      f"cover this workload under this objective; try --method proposed-exact (the twin as the "
+                      f"oracle) or a looser objective", hot=e.hot, binding=e.binding)
+
+
 def _needed(inst: Instance, ctx: Context, oracle: Oracle, pool: int) -> int:
     """GPUs the greedy needs without a pool cap (for the "needs at least X GPUs" message)."""
     try:
@@ -416,7 +434,11 @@ def _run(method: str, inst: Instance, ctx: Context, gpus: int | None, bound: Low
                                          gpus_needed=need) from None
                     fills, origin = found
                     break
-                # the guard names the adapter that fails on an empty GPU: with --split-hot, split it further
+                # the guard names the adapter that fails on an empty GPU: with --split-hot, split it further --
+                # unless one GPU can serve it by the bound, then the oracle is the problem, not the adapter
+                refused = _refused_not_hot(inst, e, bound, getattr(oracle, "name", "method's"))
+                if refused is not None:
+                    raise refused from None
                 if not (split_hot and e.hot and attempt < MAX_SPLIT_ROUNDS):
                     raise
                 idx = [i for i, a in enumerate(inst.adapter_ids) if a in set(e.hot)]

@@ -38,6 +38,7 @@ from .search import first_true
 TESTING_POINTS: tuple[int, ...] = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
 SLOT_GRID: tuple[int, ...] = TESTING_POINTS
 N_MAX = 384  # validated adapters per GPU (placement.md §1)
+BALANCED_CHUNK = 8  # GPUs per oracle batch when a balanced plan is checked with a cheap oracle
 
 # severity order of the reasons a candidate fails: the GPU's binding constraint is the mildest one among its
 # candidates (a GPU that fails on latency with one A and on memory with the other is latency-bound)
@@ -47,10 +48,12 @@ _SEVERITY = ("latency", "slots", "throughput", "memory")
 class Infeasible(LorapackError):
     """The method cannot place this workload (pool exhausted, an adapter no GPU can serve, ...)."""
 
-    def __init__(self, message: str, *, gpus_needed: int | None = None, hot: Sequence[str] = ()) -> None:
+    def __init__(self, message: str, *, gpus_needed: int | None = None, hot: Sequence[str] = (),
+                 binding: str = "") -> None:
         super().__init__(message)
         self.gpus_needed = gpus_needed
-        self.hot = tuple(hot)
+        self.hot = tuple(hot)  # adapters that fail alone on an empty GPU
+        self.binding = binding
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,8 @@ def greedy_fill(inst: Instance, profile: Profile, oracle: Oracle, objective: Obj
             first = inst.adapter_ids[int(order[pos])]
             raise Infeasible(f"adapter '{first}' (rank {int(inst.ranks[order[pos]])}, "
                              f"{inst.rates_rps[order[pos]]:.3g} req/s) fails alone on an empty GPU under the objective "
-                             f"({g.binding}); split it over several GPUs with --split-hot", hot=[first])
+                             f"({g.binding}); split it over several GPUs with --split-hot", hot=[first],
+                             binding=g.binding)
         if options.clip_amax:
             g.max_loras = min(g.max_loras, len(g.entries))
         gpus.append(g)
@@ -345,67 +349,58 @@ def slot_candidates(n_adapters: int, slot_rank: int, mem: MemoryRule, grid: Sequ
     return vals[-top:] if top else vals
 
 
-def fit_slots_many(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective,
-                   assignments: Sequence[list[list[int]]], options: GreedyOptions = GreedyOptions(),
-                   mem: MemoryRule | None = None, top: int | None = None) -> list[list[GpuFill] | None]:
-    """Give each GPU of each assignment its best ``A`` (the TEST's selection among ``slot_candidates``); an
-    assignment becomes ``None`` if one of its GPUs meets the objective with none of them. One oracle batch."""
-    mem = mem or MemoryRule(profile)
-    keys, cands = [], []
-    for j, hosts in enumerate(assignments):
-        for g, idx in enumerate(hosts):
-            if not idx:
-                continue
-            ix = np.asarray(idx, dtype=np.int64)
-            rk, rt = inst.ranks[ix], inst.rates_rps[ix]  # sliced once for every A
-            s = default_slot_rank(int(rk.max()))
-            for a in slot_candidates(len(idx), s, mem, options.slot_grid, top):
-                keys.append((j, g, a))
-                cands.append(GpuCandidate.prevalidated(profile, rk, rt, a, inst.mean_input_tokens,
-                                                       inst.mean_output_tokens))
-    preds = dict(zip(keys, oracle.predict(cands) if cands else [], strict=True))
-    by_gpu: dict[tuple[int, int], list[int]] = {}
-    for j, g, a in keys:
-        by_gpu.setdefault((j, g), []).append(a)
-    results: list[list[GpuFill] | None] = []
-    for j, hosts in enumerate(assignments):
-        out: list[GpuFill] | None = []
-        for g, idx in enumerate(hosts):
-            if not idx:
-                continue
-            avals = by_gpu.get((j, g), [])
-            a, p, _why = choose(avals, [preds[(j, g, x)] for x in avals], objective, len(idx), options)
-            if a is None:
-                out = None
-                break
-            out.append(GpuFill(entries=list(idx), max_loras=a, prediction=p, binding="none"))
-        results.append(out)
-    return results
-
-
 def fit_slots(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective,
               hosts: list[list[int]], options: GreedyOptions = GreedyOptions(),
               mem: MemoryRule | None = None, top: int | None = None) -> list[GpuFill] | None:
-    """``fit_slots_many`` for one assignment."""
-    return fit_slots_many(inst, profile, oracle, objective, [hosts], options, mem, top)[0]
+    """Give each GPU of an assignment its best ``A`` (the TEST's selection among ``slot_candidates``); ``None``
+    if one of its GPUs meets the objective with none of them. One oracle batch."""
+    mem = mem or MemoryRule(profile)
+    keys, cands = [], []
+    for g, idx in enumerate(hosts):
+        if not idx:
+            continue
+        ix = np.asarray(idx, dtype=np.int64)
+        rk, rt = inst.ranks[ix], inst.rates_rps[ix]  # sliced once for every A
+        s = default_slot_rank(int(rk.max()))
+        for a in slot_candidates(len(idx), s, mem, options.slot_grid, top):
+            keys.append((g, a))
+            cands.append(GpuCandidate.prevalidated(profile, rk, rt, a, inst.mean_input_tokens,
+                                                   inst.mean_output_tokens))
+    preds = dict(zip(keys, oracle.predict(cands) if cands else [], strict=True))
+    by_gpu: dict[int, list[int]] = {}
+    for g, a in keys:
+        by_gpu.setdefault(g, []).append(a)
+    out: list[GpuFill] = []
+    for g, idx in enumerate(hosts):
+        if not idx:
+            continue
+        avals = by_gpu.get(g, [])
+        a, p, _why = choose(avals, [preds[(g, x)] for x in avals], objective, len(idx), options)
+        if a is None:
+            return None
+        out.append(GpuFill(entries=list(idx), max_loras=a, prediction=p, binding="none"))
+    return out
 
 
 def balanced_plan(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective, gpus: int,
                   options: GreedyOptions = GreedyOptions()) -> tuple[list[GpuFill], str] | None:
-    """A balanced plan on ``gpus`` GPUs that the oracle accepts (round-robin dealing first, then largest rate
-    first), each GPU's ``A`` chosen by the TEST's selection; ``None`` if neither works."""
+    """A balanced plan on ``gpus`` GPUs that the oracle accepts (largest rate first onto the least-loaded GPU,
+    then round-robin dealing), each GPU's ``A`` chosen by the TEST's selection; ``None`` if neither works."""
     if gpus < 1 or -(-inst.n // gpus) > options.n_max:
         return None
-    names = ("round-robin", "balanced")
-    deals = [deal_round_robin(inst.n, gpus), deal_balanced(inst.rates_rps, gpus)]
-    if is_cheap(oracle):  # both dealings in one batch
-        for name, fills in zip(names, fit_slots_many(inst, profile, oracle, objective, deals, options),
-                               strict=True):
-            if fills is not None:
-                return fills, name
-        return None
-    for name, hosts in zip(names, deals, strict=True):  # the twin: lazily, GPU by GPU
-        fills = fit_slots_lazy(inst, profile, oracle, objective, hosts, options)
+    cheap = is_cheap(oracle)
+    for name, deal in (("balanced", deal_balanced), ("round-robin", deal_round_robin)):
+        hosts = deal(inst.rates_rps, gpus) if name == "balanced" else deal(inst.n, gpus)
+        if cheap:  # batches of CHUNK GPUs: a dealing that fails usually fails on its first GPUs
+            fills: list[GpuFill] | None = []
+            for k in range(0, len(hosts), BALANCED_CHUNK):
+                part = fit_slots(inst, profile, oracle, objective, hosts[k:k + BALANCED_CHUNK], options)
+                if part is None:
+                    fills = None
+                    break
+                fills += part
+        else:  # the twin: GPU by GPU, --max-loras from the largest down
+            fills = fit_slots_lazy(inst, profile, oracle, objective, hosts, options)
         if fills is not None:
             return fills, name
     return None
@@ -441,15 +436,29 @@ def fit_slots_lazy(inst: Instance, profile: Profile, oracle: Oracle, objective: 
     return out
 
 
+def _balanced_estimate(inst: Instance, gpus: list[GpuFill], lo: int, hi: int) -> int | None:
+    """The fewest GPUs whose balanced share (n/G adapters, total/G req/s) some greedy GPU with at least as many
+    adapters passed with: the evidence the greedy gathered about what one GPU carries. None without evidence."""
+    counts = np.array([len(g.entries) for g in gpus])
+    loads = np.array([float(inst.rates_rps[g.entries].sum()) for g in gpus])
+    total = float(inst.rates_rps.sum())
+    for g in range(lo + 1, hi):
+        m = -(-inst.n // g)
+        seen = loads[counts >= m]
+        if len(seen) and total / g <= seen.max():
+            return g
+    return None
+
+
 def rebalance(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective, gpus: list[GpuFill],
               options: GreedyOptions = GreedyOptions(), min_gpus: int = 1,
               on_try: Callable[[int], None] | None = None) -> tuple[list[GpuFill], str]:
     """Try balanced plans with fewer GPUs than the greedy's; return the plan with the fewest GPUs and its
     origin (``greedy``, ``round-robin`` or ``balanced``). Feasibility is taken as monotone in the GPU count.
 
-    Probes: one GPU less first (the usual outcome is that it fails: one try); then the count at which every GPU
-    would carry the largest load a greedy GPU passed with; then galloping down from the smallest count that
-    works (1, 2, 4, ... less) and bisection, never below ``min_gpus``."""
+    Probes: one GPU less first (the usual outcome is that it fails: one try); then the fewest GPUs whose balanced
+    share a greedy GPU with as many adapters carried (``_balanced_estimate``); then galloping down from the
+    smallest count that works (1, 2, 4, ... less) and bisection, never below ``min_gpus``."""
     best, origin = gpus, "greedy"
     lo, hi = max(min_gpus, 1) - 1, len(gpus)  # lo: taken not to work (below the bound); hi: works
     if not options.rebalance or hi - 1 <= lo:
@@ -468,9 +477,8 @@ def rebalance(inst: Instance, profile: Profile, oracle: Oracle, objective: Objec
 
     if not attempt(hi - 1):
         return best, origin
-    top_load = max(float(inst.rates_rps[g.entries].sum()) for g in gpus)
-    est = math.ceil(float(inst.rates_rps.sum()) / top_load - 1e-9) if top_load > 0 else hi - 1
-    if lo < est < hi:
+    est = _balanced_estimate(inst, gpus, lo, hi)
+    if est is not None:
         attempt(est)
     step = 1  # gallop down from the smallest count that works, then bisect
     while hi - step > lo and attempt(hi - step):
