@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -335,7 +336,37 @@ run_sweep(load_grid(sys.argv[1]), sys.argv[2], workers=2, flush_rows=1, flush_s=
 """
 
 
-def test_sigkill_mid_sweep_then_resume_gives_the_uninterrupted_rows(tmp_path):
+def _descendants(pid: int) -> set[int]:
+    """Live (non-zombie) descendants of ``pid``, from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc (Linux)")
+def test_sigkill_of_the_main_process_alone_then_resume_gives_every_row_once(tmp_path):
     text = TINY.replace("served_adapters: [8, 16, 32]", "served_adapters: [8, 16, 32, 48, 64]").replace(
         "duration_s: 120", "duration_s: 360")
     g = load_grid(_grid(tmp_path, text))
@@ -343,17 +374,27 @@ def test_sigkill_mid_sweep_then_resume_gives_the_uninterrupted_rows(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "grid.yaml"), str(out)],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None and len(list(out.glob("part-*.parquet"))) < 2:
             time.sleep(0.02)
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its pool workers: the group of the child we started
+        workers = _descendants(proc.pid)
+        assert len(workers) >= 2  # the pool's workers (and its forkserver) are running
+        os.kill(proc.pid, signal.SIGKILL)  # the main process ALONE: its workers must notice and exit
         proc.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(w) for w in workers):
+            time.sleep(0.05)
+        assert not [w for w in workers if _alive(w)], "orphaned pool workers kept running"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # clean up whatever a failure left behind
     partial = _comparable(out)  # every part on disk is complete and readable
     assert 0 < len(partial) < g.size
-    s = run_sweep(g, out, workers=2, resume=True)
-    assert s["already_done"] == len(partial)
+    s = run_sweep(g, out, workers=2, resume=True)  # no stale lock: nobody else holds OUT/.lock
+    assert s["already_done"] == len(partial) and s["rows_total"] == g.size
+    ids = [r["config_id"] for r in read_rows(out).to_pylist()]
+    assert len(ids) == g.size == len(set(ids))  # every row exactly once
     ref = tmp_path / "ref"
     run_sweep(g, ref, workers=1)
     assert _comparable(out) == _comparable(ref)

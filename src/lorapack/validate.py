@@ -6,6 +6,8 @@ the predictions is ``lorapack.realruns`` (shared with the calibration's refineme
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .checks import check_limit, check_workers
@@ -24,6 +26,20 @@ from .realruns import (
     startup_prediction,
 )
 from .twin.metrics import RunMetrics
+
+
+@contextlib.contextmanager
+def _progress(show: bool, total: int) -> Iterator[Callable[[], None]]:
+    """A rich progress bar over ``total`` simulations (or nothing); yields the function that advances it."""
+    if not show:
+        yield lambda: None
+        return
+    from rich.progress import BarColumn, Progress, TimeRemainingColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), "{task.completed}/{task.total}",
+                  TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task("simulating runs", total=total)
+        yield lambda: bar.advance(task)
 
 
 def _profiles(gpu: str, profile: Profile | None) -> tuple[dict[str, Profile], str]:
@@ -88,25 +104,17 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
         raise DataError(f"{runs_path}: none of its {len(rows)} run(s) can be scored: "
                         f"{'; '.join(sorted(set(skipped.values())))}")
 
-    from joblib import Parallel, delayed
+    from .executor import Executor
 
-    n_jobs = workers if workers > 0 else -1
-    tasks = (delayed(simulate_run)(profiles[rows[i]["model"]], rows[i], s, lengths, limits=limits)
-             for i, s in todo)
-    gen = Parallel(n_jobs=n_jobs, return_as="generator")(tasks)
+    jobs = [(profiles[rows[i]["model"]], rows[i], s, lengths, None, None, limits) for i, s in todo]
+    outs: list[RunMetrics | None] = [None] * len(jobs)
+    with Executor(workers) as ex, _progress(progress and bool(jobs), len(jobs)) as advance:
+        for k, out in ex.imap(simulate_run, jobs):
+            outs[k] = out
+            advance()
     sims: dict[int, list[RunMetrics]] = {}
-    if progress and todo:
-        from rich.progress import BarColumn, Progress, TimeRemainingColumn
-
-        with Progress("[progress.description]{task.description}", BarColumn(),
-                      "{task.completed}/{task.total}", TimeRemainingColumn(), transient=True) as bar:
-            task = bar.add_task("simulating runs", total=len(todo))
-            for (i, _s), out in zip(todo, gen, strict=True):
-                sims.setdefault(i, []).append(out)
-                bar.advance(task)
-    else:
-        for (i, _s), out in zip(todo, gen, strict=True):
-            sims.setdefault(i, []).append(out)
+    for (i, _s), out in zip(todo, outs, strict=True):  # in seed order: averages do not depend on timing
+        sims.setdefault(i, []).append(out)
     preds.update({i: RunPrediction.from_runs(outs) for i, outs in sims.items()})
 
     done = sorted(preds)

@@ -86,7 +86,6 @@ def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] 
                    log: Callable[[str], None] | None = None) -> tuple[Profile, dict]:
     """Refine ``prior``'s step-time constants against ``rows`` (one model); returns (profile, provenance)."""
     model = prior.model
-    n_jobs = workers if workers > 0 else -1
     stages = []
     prof = prior
     for stage, (stride, nfev) in enumerate(((SUBSET_STRIDE, max_evals[0]), (1, max_evals[1])), start=1):
@@ -95,7 +94,7 @@ def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] 
         sub = _stage_rows(rows, stride)
         if log:
             log(f"{model}: refinement stage {stage}: {len(sub)} runs, up to {nfev} least-squares evaluations")
-        with Evaluator(sub, seeds=seeds, lengths=lengths, n_jobs=n_jobs) as ev:
+        with Evaluator(sub, seeds=seeds, lengths=lengths, workers=workers) as ev:
             res = refine({model: prof}, {model: prior}, sub, ev, free=free, anchors={model: anchors},
                          max_nfev=nfev, log=log)[model]
         stages.append({"runs": len(sub), "stride": stride, "max_evaluations": nfev, "evaluations": res.n_evals,
@@ -118,7 +117,7 @@ def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] 
 def validate_profile(prof: Profile, rows: list[dict], *, seeds: Sequence[int] = (0,), lengths: str = "lognormal",
                      workers: int = 0) -> tuple[dict, list[RunComparison]]:
     """Scores and per-run table of ``prof`` on ``rows`` (oom rows are scored on the start-up rule)."""
-    with Evaluator(list(rows), seeds=seeds, lengths=lengths, n_jobs=workers if workers > 0 else -1) as ev:
+    with Evaluator(list(rows), seeds=seeds, lengths=lengths, workers=workers) as ev:
         preds = ev({prof.model: prof})
     table = compare_runs(rows, preds)
     scores = score_runs(rows, preds)

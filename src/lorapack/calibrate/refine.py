@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DataError
+from ..executor import Executor
 from ..profile import Profile, RunsLengths
 from ..realruns import RunPrediction, row_float, simulate_run, startup_prediction
 from ..twin.metrics import RunMetrics
@@ -87,7 +88,8 @@ def with_values(profile: Profile, values: dict[str, float]) -> Profile:
 
 @dataclass
 class Evaluator:
-    """Predicts a fixed list of runs for candidate profiles, simulating them in parallel (joblib processes).
+    """Predicts a fixed list of runs for candidate profiles, simulating them in parallel (``lorapack.executor``;
+    inside ``with`` the worker processes are kept between calls).
 
     ``evaluator(profiles)`` predicts the rows of the models in ``profiles`` (``None`` for other rows);
     ``evaluator.many([profiles, ...])`` does several candidates in one parallel batch (better balance).
@@ -97,30 +99,25 @@ class Evaluator:
     seeds: Sequence[int] = (0,)
     lengths: str = "lognormal"
     cv: float | None = None
-    n_jobs: int = -1
+    workers: int = 0  # 0 = all cores
     n_evals: int = 0
     n_sims: int = 0
     wall_s: float = 0.0
-    _pool: Any = field(default=None, repr=False)
+    _executor: Executor | None = field(default=None, repr=False)
 
     def __enter__(self) -> Evaluator:
-        from joblib import Parallel
-
-        self._pool = Parallel(n_jobs=self.n_jobs)
-        self._pool.__enter__()
+        self._executor = Executor(self.workers)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.__exit__(*exc)
-            self._pool = None
+        if self._executor is not None:
+            self._executor.close()
+            self._executor = None
 
     def __call__(self, profiles: dict[str, Profile]) -> list[RunPrediction | None]:
         return self.many([profiles])[0]
 
     def many(self, candidates: Sequence[dict[str, Profile]]) -> list[list[RunPrediction | None]]:
-        from joblib import Parallel, delayed
-
         t0 = time.perf_counter()
         preds: list[list[RunPrediction | None]] = [[None] * len(self.rows) for _ in candidates]
         todo = []
@@ -134,9 +131,12 @@ class Evaluator:
                     todo.extend((c, i, s) for s in self.seeds)
         # heaviest runs first (most adapters x highest rates) for a better balance over the workers
         todo.sort(key=lambda t: -_load_key(self.rows[t[1]]))
-        pool = self._pool or Parallel(n_jobs=self.n_jobs)
-        outs = pool(delayed(simulate_run)(candidates[c][self.rows[i]["model"]], self.rows[i], s, self.lengths,
-                                          self.cv) for c, i, s in todo)
+        jobs = [(candidates[c][self.rows[i]["model"]], self.rows[i], s, self.lengths, self.cv) for c, i, s in todo]
+        if self._executor is not None:
+            outs = self._executor.map(simulate_run, jobs)
+        else:
+            with Executor(self.workers) as ex:
+                outs = ex.map(simulate_run, jobs)
         by_row: dict[tuple[int, int], list[RunMetrics]] = {}
         for (c, i, _s), o in zip(todo, outs, strict=True):
             by_row.setdefault((c, i), []).append(o)

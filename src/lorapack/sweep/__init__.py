@@ -13,7 +13,7 @@ CLI: ``lorapack sweep GRID|--preset NAME --out DIR [--backend local|ray] [--addr
 
 from __future__ import annotations
 
-from .backends import BACKENDS
+from ..executor import BACKENDS
 from .grid import (
     PRESETS,
     GridSpec,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .. import __version__
 from ..checks import check_output_dir, check_workers
 from ..errors import SpecError
+from ..executor import BACKENDS, Executor, RaySession, default_workers
 from ..guards import Limits, check
 from ..profile import Profile, find_profile
-from .backends import BACKENDS, RaySession, default_workers, execute
 from .grid import GridSpec, SweepConfig, select_configs
 from .store import (
     FORMAT_VERSION,
@@ -27,7 +27,7 @@ from .store import (
     read_rows,
     write_meta,
 )
-from .work import OBTAINED_OOM, OBTAINED_PRUNED, Shortcuts, WorkUnit, early_stop_available, oom_row
+from .work import OBTAINED_OOM, OBTAINED_PRUNED, Shortcuts, WorkUnit, early_stop_available, oom_row, run_unit
 
 FLUSH_ROWS = 2000
 FLUSH_S = 20.0
@@ -77,6 +77,22 @@ def build_units(configs: list[SweepConfig], prune: bool, limits: Limits | None =
     units.sort(key=lambda u: (first[(u.configs[0].seed, u.configs[0].rate_tuple)], -len(u.configs),
                               u.configs[0].served_adapters))
     return units
+
+
+def _worker_warm_up() -> None:
+    """Compile (or load) the engine once per worker, so that rows' ``wall_s`` exclude it."""
+    from ..twin.engine import warm_up
+
+    warm_up()
+
+
+def execute(units: list[WorkUnit], profile: Profile, shortcuts: Shortcuts, backend: str = "local",
+            workers: int = 0, address: str | None = None,
+            session: RaySession | None = None) -> Iterator[tuple[WorkUnit, list[dict]]]:
+    """Run ``units`` with the executor (``lorapack.executor``); yields ``(unit, rows)`` as units complete."""
+    with Executor(workers, backend, address, initializer=_worker_warm_up, session=session) as ex:
+        for i, rows in ex.imap(run_unit, ((u, profile, shortcuts) for u in units)):
+            yield units[i], rows
 
 
 def sweep_meta(grid: GridSpec, profile: Profile, shortcuts: Shortcuts) -> dict:

@@ -1,0 +1,243 @@
+"""One way to run a batch of independent jobs: in-process, in local worker processes, or on Ray.
+
+Sweeps, the calibration's refinement and validation (and later evaluation) hand a function and a list of
+argument tuples to ``Executor.imap``, which yields ``(index, result)`` as jobs complete; ``Executor.map``
+returns the results in job order. Results never depend on the backend, only the completion order does.
+
+* ``local`` with one worker runs the jobs in-process, in order (no pickling; what tests and debugging use).
+* ``local`` with more workers: a pool of ``spawn``-ed worker processes (fresh interpreters, children of the
+  caller). They inherit no open file of the caller, so they never hold a lock the caller took (the sweep's
+  ``OUT/.lock``), and they exit when the caller dies, even by ``SIGKILL``: on Linux the kernel signals them
+  (``PR_SET_PDEATHSIG``, armed in the worker initializer), elsewhere a watchdog thread notices that the
+  parent is gone (between jobs: compiled code holds the interpreter). The kernel signal follows the thread
+  that started the workers, so use an executor from a thread that outlives it (normally the main thread).
+* ``ray``: Ray tasks on an existing cluster (``address``) or on a local Ray instance started here and shut
+  down at the end (``RaySession``). Needs the optional extra: ``pip install 'lorapack[ray]'``.
+
+At most ``in_flight_per_worker`` jobs per worker are submitted ahead, so an interrupted run loses little work
+and memory stays flat; leaving the ``with`` block (or an error in a job) cancels what has not started.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from typing import Any
+
+from .errors import LorapackError
+
+BACKENDS = ("local", "ray")
+IN_FLIGHT_PER_WORKER = 3
+WATCHDOG_INTERVAL_S = 1.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def default_workers() -> int:
+    return os.cpu_count() or 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Exit this worker when its parent process dies (kernel signal on Linux, watchdog thread everywhere)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: the watchdog below still works
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(WATCHDOG_INTERVAL_S)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="lorapack-parent-watchdog", daemon=True).start()
+
+
+def _worker_init(parent_pid: int, initializer: Callable[[], Any] | None) -> None:
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # one core per worker: no nested thread pools
+    _die_with_parent(parent_pid)
+    if initializer is not None:
+        initializer()
+
+
+def _ray_call(fn: Callable[..., Any], args: tuple) -> Any:
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    return fn(*args)
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise LorapackError("--backend ray needs Ray: pip install 'lorapack[ray]'") from None
+    return ray
+
+
+def _check_reachable(addr: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a ``host:port`` nobody listens on (Ray itself would retry for minutes)."""
+    import socket
+
+    hostport = addr.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto" and other forms: let Ray resolve them
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise LorapackError(f"--address {addr}: cannot reach a Ray cluster there ({exc.strerror or exc}); "
+                            f"expected the head node's host:port (see `ray status`), or omit --address to "
+                            f"start a local Ray instance") from None
+
+
+class RaySession:
+    """Connects to (or starts) Ray on ``start()``; shuts down on ``stop()`` only what it started."""
+
+    def __init__(self, workers: int, address: str | None = None):
+        self.workers, self.address = workers, address
+        self.started = False
+
+    def start(self) -> RaySession:
+        import logging
+
+        ray = import_ray()
+        if ray.is_initialized():
+            return self
+        addr = self.address or os.environ.get("RAY_ADDRESS") or "local"
+        kwargs: dict = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING}
+        if addr == "local":
+            kwargs["num_cpus"] = max(1, self.workers)
+        else:
+            _check_reachable(addr)
+        try:
+            ray.init(address=addr, **kwargs)
+        except Exception as exc:  # connection errors, bad addresses
+            raise LorapackError(f"--backend ray: cannot start or reach Ray at '{addr}' "
+                                f"({' '.join(str(exc).split())[:200]})") from None
+        self.started = True
+        return self
+
+    def stop(self) -> None:
+        if self.started:
+            import_ray().shutdown()
+            self.started = False
+
+
+class Executor:
+    """Runs independent jobs ``fn(*args)``; use as a context manager to keep the workers between batches.
+
+    ``workers`` 0 = all cores. ``initializer`` runs once in every worker process (e.g. compile the engine
+    there, so that jobs' timings exclude it). ``session``: a started ``RaySession`` to reuse (``ray`` only).
+    """
+
+    def __init__(self, workers: int = 0, backend: str = "local", address: str | None = None,
+                 initializer: Callable[[], Any] | None = None, session: RaySession | None = None,
+                 in_flight_per_worker: int = IN_FLIGHT_PER_WORKER) -> None:
+        if backend not in BACKENDS:
+            raise LorapackError(f"--backend {backend}: expected one of {', '.join(BACKENDS)}")
+        if workers < 0:
+            raise LorapackError(f"--workers {workers}: expected an integer >= 0 (0 = all cores)")
+        if backend == "local" and address is not None:
+            raise LorapackError("--address is only used with --backend ray")
+        self.workers = workers if workers > 0 else default_workers()
+        self.backend, self.address, self.initializer = backend, address, initializer
+        self.in_flight = max(1, in_flight_per_worker)
+        self._session, self._own_session = session, False
+        self._pool: ProcessPoolExecutor | None = None
+
+    # ---- lifetime ----
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._own_session and self._session is not None:
+            self._session.stop()
+            self._session, self._own_session = None, False
+
+    def _local_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            # spawn: fresh interpreters that inherit no open file (no lock) and are our direct children (so
+            # the kernel can signal them when we die); a forkserver would be their parent and outlive us
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_worker_init, initargs=(os.getpid(), self.initializer))
+        return self._pool
+
+    # ---- running ----
+    def imap(self, fn: Callable[..., Any], jobs: Iterable[tuple]) -> Iterator[tuple[int, Any]]:
+        """Yield ``(index, fn(*jobs[index]))`` as jobs complete (in order for the in-process path).
+
+        A job's exception is raised here; the jobs not yet started are then cancelled."""
+        if self.backend == "ray":
+            return self._imap_ray(fn, jobs)
+        if self.workers <= 1:
+            return ((i, fn(*args)) for i, args in enumerate(jobs))
+        return self._imap_pool(fn, jobs)
+
+    def map(self, fn: Callable[..., Any], jobs: Sequence[tuple]) -> list[Any]:
+        """``[fn(*args) for args in jobs]``, run by the backend."""
+        out: list[Any] = [None] * len(jobs)
+        for i, result in self.imap(fn, jobs):
+            out[i] = result
+        return out
+
+    def _imap_pool(self, fn: Callable[..., Any], jobs: Iterable[tuple]) -> Iterator[tuple[int, Any]]:
+        pool = self._local_pool()
+        it = enumerate(jobs)
+        pending: dict[Future, int] = {}
+        try:
+            while True:
+                while len(pending) < self.in_flight * self.workers:
+                    nxt = next(it, None)
+                    if nxt is None:
+                        break
+                    pending[pool.submit(fn, *nxt[1])] = nxt[0]
+                if not pending:
+                    break
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    yield pending.pop(fut), fut.result()
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+    def _imap_ray(self, fn: Callable[..., Any], jobs: Iterable[tuple]) -> Iterator[tuple[int, Any]]:
+        ray = import_ray()
+        if self._session is None:
+            self._session, self._own_session = RaySession(self.workers, self.address), True
+        self._session.start()
+        pending: dict = {}
+        try:
+            cpus = int(ray.cluster_resources().get("CPU", 1)) or 1
+            task = ray.remote(num_cpus=1, max_retries=2)(_ray_call)
+            fn_ref = ray.put(fn)
+            it = enumerate(jobs)
+            while True:
+                while len(pending) < self.in_flight * cpus:
+                    nxt = next(it, None)
+                    if nxt is None:
+                        break
+                    pending[task.remote(fn_ref, nxt[1])] = nxt[0]
+                if not pending:
+                    break
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                for ref in ready:
+                    yield pending.pop(ref), ray.get(ref)
+        finally:
+            for ref in pending:
+                ray.cancel(ref, force=True)

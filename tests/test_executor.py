@@ -1,0 +1,80 @@
+"""``lorapack.executor``: one way to run independent jobs (in-process, worker processes, Ray)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from lorapack.errors import LorapackError
+from lorapack.executor import Executor
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def fail_on(x: int, bad: int) -> int:
+    if x == bad:
+        raise ValueError(f"job {x} failed")
+    return x
+
+
+def open_paths(_: int) -> list[str]:
+    """Paths of the files this process has open (Linux)."""
+    out = []
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            out.append(os.readlink(fd))
+        except OSError:
+            pass
+    return out
+
+
+def worker_pid(_: int) -> tuple[int, int]:
+    return os.getpid(), os.getppid()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_map_keeps_job_order_and_imap_names_each_job(workers: int) -> None:
+    jobs = [(i,) for i in range(12)]
+    with Executor(workers) as ex:
+        assert ex.map(square, jobs) == [i * i for i in range(12)]
+        seen = dict(ex.imap(square, jobs))
+    assert seen == {i: i * i for i in range(12)}
+
+
+def test_in_process_with_one_worker_and_pool_otherwise() -> None:
+    with Executor(1) as ex:
+        assert ex.map(worker_pid, [(0,)]) == [(os.getpid(), os.getppid())]
+    with Executor(2) as ex:
+        pids = ex.map(worker_pid, [(i,) for i in range(6)])
+    assert all(pid != os.getpid() and ppid == os.getpid() for pid, ppid in pids)  # our direct children
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_failing_job_raises_in_the_caller(workers: int) -> None:
+    with Executor(workers) as ex, pytest.raises(ValueError, match="job 3 failed"):
+        ex.map(fail_on, [(i, 3) for i in range(8)])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="lists open files from /proc (Linux)")
+def test_workers_do_not_inherit_the_callers_open_files(tmp_path: Path) -> None:
+    lock = tmp_path / ".lock"
+    with lock.open("a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with Executor(2) as ex:
+            seen = ex.map(open_paths, [(i,) for i in range(4)])
+    assert all(str(lock) not in paths for paths in seen)
+
+
+def test_bad_options() -> None:
+    with pytest.raises(LorapackError, match="--backend gpu"):
+        Executor(backend="gpu")
+    with pytest.raises(LorapackError, match="--workers -1"):
+        Executor(-1)
+    with pytest.raises(LorapackError, match="--address is only used with --backend ray"):
+        Executor(2, address="127.0.0.1:6379")
