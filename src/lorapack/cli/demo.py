@@ -69,7 +69,7 @@ def demo(
     import tempfile
 
     from ..evaluate.methods import default_placer
-    from ..evaluate.parallel import PoolMapper
+    from ..evaluate.parallel import ExecutorMapper, replay_executor
     from ..evaluate.runner import evaluate_scenarios
     from ..placement.export import check_out_dir, write_outputs
     from ..placement.plan import plan_from_dict
@@ -83,7 +83,8 @@ def demo(
     methods = list(DEMO_METHODS)
     with tempfile.TemporaryDirectory() as tmp:
         sc, note = _demo_scenario(model, Path(tmp))
-    with PoolMapper(workers) as mapper:
+    with replay_executor(workers) as ex:
+        mapper = ExecutorMapper(ex)
         doc = evaluate_scenarios([sc], placer, tuple(methods), mapper=mapper, keep_plans=True)
         first = doc["scenarios"][0]["methods"][methods[0]]
         if first.get("error"):  # no learned models in this build: the twin is the oracle instead
