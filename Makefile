@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint profiles bench evaluate clean
+.PHONY: setup demo test lint profiles bench models evaluate clean
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (set PY=python3.x, x >= 11)"; exit 2; }
@@ -27,6 +27,11 @@ lint: $(STAMP)
 
 profiles: $(STAMP)
 	$(BIN)/python scripts/fit_profiles.py
+
+# sweep -> train -> refine for both shipped profiles (docs/surrogates.md); MODELS_ARGS="--limit 3000" for a
+# quick, smaller dataset. Sweeps resume from build/models-data.
+models: $(STAMP)
+	nice -n 10 $(BIN)/python scripts/make_models.py $(MODELS_ARGS)
 
 # the evaluate study of issue 9 (144 scenarios; niced: the machine is shared), then its tables into the docs
 evaluate: $(STAMP)

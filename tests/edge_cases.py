@@ -254,6 +254,14 @@ CASES: list[Case] = [
     Case("--profile is a directory", "'file not found'",
          argv=["simulate", "{examples}/demo.yaml", "--profile", "pdir", "-a", "8", *S], dirs=("pdir",),
          expect="directory"),
+    Case("legit: simulate --max-loras scan", "(new: a table row per value)",
+         argv=["simulate", "{examples}/demo.yaml", *M, "--max-loras", "4,8,16", *S], legit=True,
+         expect="smallest safe --max-loras"),
+    Case("legit: validate --profile FILE", "(new: score a profile file)",
+         argv=["validate", "runs.csv", "--workers", "1", "--profile",
+               "{examples}/../profiles/h100-64gb__vllm-0.8.5__llama-3.1-8b-instruct.yaml"],
+         files={"runs.csv": RUNS_HEADER + runs_row("r1") + runs_row("q1", model="qwen-2.5-7b-instruct")},
+         legit=True, expect="skipped 1 run(s) of qwen-2.5-7b-instruct"),
     Case("validate runs of a model without a profile", "'skipped 5', no reason, exit 0",
          argv=["validate", "runs.csv", "--workers", "1"],
          files={"runs.csv": RUNS_HEADER + "".join(runs_row(f"m{i}", model="mistral-7b") for i in range(5))},
@@ -348,8 +356,8 @@ def table(cases: list[Case] | None = None, timeout_s: float | None = None) -> st
         with tempfile.TemporaryDirectory(prefix="edge-") as d:
             o = run_case(case, Path(d), timeout_s)
         first = o.first_line.replace("|", "\\|")[:160]
-        if o.code == 0 and not first:  # no error: show the result instead
-            first = "stdout: " + (o.stdout.strip().splitlines() or [""])[-1].strip()[:120]
+        if o.code == 0 and not first:  # no error: show the result instead (its first line)
+            first = "stdout: " + (o.stdout.strip().splitlines() or [""])[0].strip()[:120]
         cmd = case.command.replace(str(EXAMPLES), "EX").replace(str(DATA), "DATA").replace("|", "\\|")
         rows.append(f"| {case.name} | `{cmd}` | {o.status} | {first} | {', '.join(o.left) or '-'} |")
         print(rows[-1], file=sys.stderr, flush=True)

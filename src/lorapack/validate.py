@@ -10,6 +10,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
+
 from .checks import check_limit, check_workers
 from .errors import DataError, LorapackError, ProfileError, SpecError
 from .guards import Limits, check, estimate_workload, profile_step_coef
@@ -20,7 +22,9 @@ from .realruns import (
     build_workload,
     check_row,
     compare_runs,
+    parse_counts,
     read_runs,
+    row_float,
     score_runs,
     simulate_run,
     startup_prediction,
@@ -57,16 +61,87 @@ def _profiles(gpu: str, profile: Profile | None) -> tuple[dict[str, Profile], st
             f"no shipped profile on {gpu} (shipped: {', '.join(have)}); calibrate one and pass --profile FILE")
 
 
+ENGINES = ("twin", "surrogate", "tree")
+
+
+def row_candidate(row: dict, profile: Profile):
+    """The GPU of a real run as an oracle question (the features depend on the multisets, not the order)."""
+    from .oracle import GpuCandidate
+
+    n = row_float(row, "n_adapters")
+    return GpuCandidate(
+        profile=profile, ranks=np.array(parse_counts(row["rank_counts"], int)),
+        rates_rps=np.array(parse_counts(row["rate_counts"], float)), max_loras=int(float(row["max_loras"])),
+        max_lora_rank=int(float(row["max_lora_rank"])), max_cpu_loras=int(row_float(row, "max_cpu_loras", n)),
+        max_num_seqs=int(row_float(row, "max_num_seqs", profile.max_num_seqs)),
+        max_num_batched_tokens=int(row_float(row, "max_num_batched_tokens", profile.max_num_batched_tokens)),
+        mean_input_tokens=row_float(row, "mean_input_tokens"), mean_output_tokens=row_float(row, "mean_output_tokens"))
+
+
+def learned_predictions(rows: list[dict], todo: list[int], profiles: dict[str, Profile], engine: str,
+                        models_dir: str | Path | None) -> tuple[dict[int, RunPrediction], dict[int, str], set[int]]:
+    """The learned oracle's answers (deterministic: one per run), the rows without a model (skipped, with
+    the reason) and the rows whose candidate lies outside the models' training range."""
+    from .surrogate import load_oracle, model_path
+
+    preds: dict[int, RunPrediction] = {}
+    skipped: dict[int, str] = {}
+    out_of_range: set[int] = set()
+    models = sorted({rows[i]["model"] for i in todo})
+    oracles = {}
+    for m in models:
+        prof = profiles[m]
+        if models_dir is not None and not model_path(models_dir, prof.gpu, prof.model, engine).is_file():
+            continue  # --models holds other profiles only: this model's runs are skipped
+        oracles[m] = load_oracle(prof, engine, models_dir)
+    if models and not oracles:  # nothing to answer with: say what is missing
+        load_oracle(profiles[models[0]], engine, models_dir)
+    for m in models:
+        idx = [i for i in todo if rows[i]["model"] == m]
+        if m not in oracles:
+            skipped.update({i: f"no {engine} model for {m} in {models_dir}" for i in idx})
+            continue
+        for i, p in zip(idx, oracles[m].predict([row_candidate(rows[i], profiles[m]) for i in idx]), strict=True):
+            if not p.in_range:
+                out_of_range.add(i)
+            preds[i] = RunPrediction(oom=not p.fits, error_type=p.error_type, throughput_tok_s=p.throughput_tok_s,
+                                     itl_mean_ms=p.itl_ms, ttft_mean_ms=p.ttft_s * 1000.0,
+                                     throughput_ratio=p.throughput_ratio, starved=p.starved >= 0.5)
+    return preds, skipped, out_of_range
+
+
+def macro_f1(confusion: dict[str, int]) -> float:
+    """Macro-averaged F1 of the starvation label from ``score_runs``' confusion counts (a class absent from
+    both sides counts 1)."""
+    tp, fn = confusion["real_starved_pred_starved"], confusion["real_starved_pred_healthy"]
+    fp, tn = confusion["real_healthy_pred_starved"], confusion["real_healthy_pred_healthy"]
+    if tp + fn + fp + tn == 0:
+        return float("nan")
+
+    def f1(t: int, a: int, b: int) -> float:
+        return 1.0 if t + a + b == 0 else 2 * t / (2 * t + a + b)
+
+    return (f1(tp, fp, fn) + f1(tn, fn, fp)) / 2
+
+
 def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb", lengths: str = "lognormal",
                    workers: int = 0, limit: int | None = None, progress: bool = True,
-                   limits: Limits | None = None, profile: Profile | None = None) -> dict:
+                   limits: Limits | None = None, profile: Profile | None = None, engine: str = "twin",
+                   models_dir: str | Path | None = None) -> dict:
     """Simulate every row (x seeds) and compare. Returns ``{"models": {...}, "rows": {column: list},
     "skipped": [{"run_id", "model", "reason"}]}``: per model the row counts (``skip_reasons`` counts the
     skipped rows by reason) plus ``realruns.score_runs``; per row ``realruns.VALIDATE_COLUMNS``.
 
     ``profile``: score the runs of its model with it (``validate --profile FILE``; the other rows are
     skipped), instead of the shipped profiles of ``gpu``. Every row is checked and costed (``guards``,
-    ``limits``) before any simulation starts; a file none of whose rows can be scored is a ``DataError``."""
+    ``limits``) before any simulation starts; a file none of whose rows can be scored is a ``DataError``.
+
+    ``engine`` "surrogate" or "tree" asks the learned oracle (``models_dir``, default: the shipped models)
+    instead of simulating; every model's scores then add ``n_out_of_range``. All engines add ``starved_f1``."""
+    if engine not in ENGINES:
+        raise SpecError(f"--engine {engine}: expected one of {', '.join(ENGINES)}")
+    if models_dir is not None and engine == "twin":
+        raise SpecError("--models applies to --engine surrogate or tree")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise SpecError(f"--seeds {seeds}: expected an integer >= 1")
     if lengths not in ("fixed", "lognormal"):
@@ -91,6 +166,8 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
         pred = startup_prediction(prof, r)
         if pred is not None:
             preds[i] = pred
+        elif engine != "twin" and (r.get("rate_counts") or "").strip() and (r.get("rank_counts") or "").strip():
+            todo.append((i, 0))
         elif (r.get("rate_counts") or "").strip() and (r.get("rank_counts") or "").strip():
             wl = build_workload(r, 0, lengths)
             try:  # before the first simulation: a row that cannot finish fails now, naming itself
@@ -100,6 +177,13 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
             todo.extend((i, s) for s in range(seeds))
         else:
             skipped[i] = "an ok run without rank_counts/rate_counts cannot be rebuilt"
+    out_of_range: set[int] = set()
+    if engine != "twin":
+        learned, no_model, out_of_range = learned_predictions(rows, [i for i, _s in todo], profiles, engine,
+                                                                models_dir)
+        preds.update(learned)
+        skipped.update(no_model)
+        todo = []
     if rows and len(skipped) == len(rows):
         raise DataError(f"{runs_path}: none of its {len(rows)} run(s) can be scored: "
                         f"{'; '.join(sorted(set(skipped.values())))}")
@@ -131,6 +215,10 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
     for m, st in summary.items():
         sel = [i for i in done if rows[i]["model"] == m]
         st.update(score_runs([rows[i] for i in sel], [preds[i] for i in sel]))
-    return {"models": summary, "rows": {c: [getattr(t, c) for t in table] for c in VALIDATE_COLUMNS},
+        if "starvation_confusion" in st:
+            st["starved_f1"] = macro_f1(st["starvation_confusion"])
+        if engine != "twin":
+            st["n_out_of_range"] = sum(i in out_of_range for i in sel)
+    return {"engine": engine, "models": summary, "rows": {c: [getattr(t, c) for t in table] for c in VALIDATE_COLUMNS},
             "skipped": [{"run_id": rows[i].get("run_id"), "model": rows[i]["model"], "reason": why}
                         for i, why in sorted(skipped.items())]}

@@ -13,7 +13,19 @@ from typing import Annotated
 import typer
 
 from ..errors import LorapackError
-from . import calibrate, demo, evaluate, place, profiles, simulate, sweep, validate
+from . import (
+    calibrate,
+    demo,
+    evaluate,
+    explain,
+    place,
+    profiles,
+    refine_trees,
+    simulate,
+    sweep,
+    train,
+    validate,
+)
 from .common import DEBUG as _DEBUG
 from .common import err_console, print_json, write_csv_atomic
 
@@ -34,6 +46,9 @@ app.command("profiles")(profiles.profiles)
 app.command("demo")(demo.demo)
 app.command("sweep")(sweep.sweep)
 app.command("calibrate")(calibrate.calibrate)
+app.command("train")(train.train)
+app.command("refine")(refine_trees.refine)
+app.command("explain")(explain.explain)
 app.command("place")(place.place)
 app.command("evaluate")(evaluate.evaluate)
 

@@ -23,7 +23,8 @@ from .common import (
 
 def sweep(
     grid: Annotated[Path | None, typer.Argument(help="Grid spec YAML (or use --preset).")] = None,
-    preset: Annotated[str | None, typer.Option(help="Built-in grid: paper-llama | paper-qwen.")] = None,
+    preset: Annotated[str | None, typer.Option(
+        help="Built-in grid: paper-llama | paper-qwen | additions-llama | additions-qwen.")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Output directory (Parquet parts).")] = None,
     backend: Annotated[str, typer.Option(help="local (process pool) | ray.")] = "local",
     address: Annotated[str | None, typer.Option(help="Ray cluster address (default: start a local Ray).")] = None,
@@ -34,6 +35,8 @@ def sweep(
     early_stop_tests: Annotated[str, typer.Option(help="Early-stop tests to use.")] = "certain,likely,healthy",
     prune: Annotated[bool, typer.Option("--prune/--no-prune", help="N-series pruning.")] = True,
     seed: Annotated[int | None, typer.Option(help="Run the grid with this one seed.")] = None,
+    boundary_seeds: Annotated[int | None, typer.Option(
+        help="Extra seeds for configs whose throughput ratio lands in 0.8-1.0 (the 0.9 label boundary).")] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Override the grid's model.")] = None,
     gpu: Annotated[str | None, typer.Option("--gpu", help="Override the grid's GPU.")] = None,
     print_grid: Annotated[bool, typer.Option("--print-grid", help="Print the grid as YAML and exit.")] = False,
@@ -45,7 +48,8 @@ def sweep(
 
     if (grid is None) == (preset is None):
         raise SpecError("give exactly one of GRID (a YAML file) or --preset NAME (paper-llama, paper-qwen)")
-    spec = with_overrides(load_grid(grid) if grid is not None else preset_grid(preset), model, gpu, seed)
+    spec = with_overrides(load_grid(grid) if grid is not None else preset_grid(preset), model, gpu, seed,
+                          boundary_seeds)
     if print_grid:
         sys.stdout.write(grid_yaml(spec))
         return
@@ -66,7 +70,8 @@ def sweep(
         return
     console.print(f"[bold]{spec.name}[/bold]: {summary['rows']:,} rows written to {summary['out']} "
                   f"({summary['simulated']:,} simulated, {summary['early_stopped']:,} of them stopped early; "
-                  f"{summary['pruned']:,} pruned; {summary['skipped_oom']:,} oom; {summary['already_done']:,} "
+                  f"{summary['pruned']:,} pruned; {summary['skipped_oom']:,} oom; {summary['boundary_rows']:,} boundary "
+                  f"seeds; {summary['already_done']:,} "
                   f"already there) in {summary['wall_s']:.1f} s = {summary['configs_per_s']:.1f} configs/s; "
                   f"grid size {summary['grid_size']:,}.")
     if not summary["early_stop_active"] and early_stop:

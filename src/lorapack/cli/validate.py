@@ -36,10 +36,14 @@ def validate(
     workers: Annotated[int, typer.Option(help="Parallel processes (0 = all cores).")] = 0,
     limit: Annotated[int | None, typer.Option(help="Only the first K rows (quick checks).")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Write per-run measured vs predicted CSV.")] = None,
+    engine: Annotated[str, typer.Option(help="Who predicts: twin (simulation) | surrogate | tree (learned).")] = "twin",
+    models: Annotated[Path | None, typer.Option("--models", help="Model directory for --engine surrogate/tree "
+                                                                 "(default: the shipped models).")] = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Replay real benchmark runs through the twin and score it (SMAPE, starvation and OOM agreement)."""
+    """Replay real benchmark runs through the twin (or ask a learned oracle) and score it (SMAPE, starvation
+    agreement and macro-F1, OOM agreement)."""
     from ..validate import run_validation
 
     check_limit(limit)
@@ -55,14 +59,16 @@ def validate(
 
         prof = load_profile_file(profile)
     report = run_validation(runs, seeds=seeds, gpu=gpu or DEFAULT_GPU, lengths=lengths, workers=workers,
-                            limit=limit, progress=not json_out, limits=limits(force), profile=prof)
+                            limit=limit, progress=not json_out, limits=limits(force), profile=prof, engine=engine,
+                            models_dir=models)
     if out is not None:
         write_csv_atomic(out, report["rows"])
     if json_out:
         print_json({"models": report["models"], "skipped": report["skipped"]})
         return
     # one column per model, one row per score: fits 80 columns for the usual one to three models
-    t = Table(title=f"twin vs real runs: {runs.name}\n({seeds} seed(s), {lengths} lengths"
+    how = f"{seeds} seed(s), {lengths} lengths" if engine == "twin" else f"{engine} models, no simulation"
+    t = Table(title=f"{engine} vs real runs: {runs.name}\n({how}"
                     f"{f', --profile {profile.name}' if profile is not None else ''})", title_justify="left")
     t.add_column("")
     models = report["models"]
@@ -72,7 +78,9 @@ def validate(
                                ("SMAPE ITL %", "smape_itl", 2), ("SMAPE TTFT %", "smape_ttft", 2),
                                ("starved agreement", "starved_agreement", 3),
                                ("  on clear labels", "starved_agreement_clear", 3),
-                               ("OOM agreement", "oom_agreement", 3)):
+                               ("starved macro-F1", "starved_f1", 3),
+                               ("OOM agreement", "oom_agreement", 3),
+                               *((("outside training range", "n_out_of_range", 0),) if engine != "twin" else ())):
         if key is None:
             t.add_row(label, *(f"{s['n_ok']} / {s['n_oom']} / {s['n_skipped']}" for s in models.values()))
         else:

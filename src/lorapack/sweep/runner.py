@@ -12,9 +12,10 @@ from .. import __version__
 from ..checks import check_output_dir, check_workers
 from ..errors import SpecError
 from ..executor import BACKENDS, Executor, RaySession, default_workers
+from ..fingerprint import twin_fingerprint
 from ..guards import Limits, check
 from ..profile import Profile, find_profile
-from .grid import GridSpec, SweepConfig, select_configs
+from .grid import GridSpec, SweepConfig, boundary_configs, select_configs
 from .store import (
     FORMAT_VERSION,
     META_FILE,
@@ -98,7 +99,8 @@ def execute(units: list[WorkUnit], profile: Profile, shortcuts: Shortcuts, backe
 def sweep_meta(grid: GridSpec, profile: Profile, shortcuts: Shortcuts) -> dict:
     return {
         "format": FORMAT_VERSION, "grid_name": grid.name, "grid": grid.canonical(), "grid_hash": grid.grid_hash(),
-        "twin_version": __version__, "profile_hash": profile.file_hash(), "model": profile.model,
+        "twin_version": __version__, "profile_hash": profile.file_hash(),
+        "twin_fingerprint": twin_fingerprint(profile), "model": profile.model,
         "gpu": profile.gpu, "vllm_version": profile.vllm_version, "shortcuts": shortcuts.as_dict(),
         "early_stop_active": bool(shortcuts.early_stop and early_stop_available()),
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -166,7 +168,7 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
         units = build_units([c for c in todo if c.config_id not in oom_ids], shortcuts.prune, limits)
 
         writer = PartWriter(out)
-        counts = {"rows": 0, "simulated": 0, "skipped_oom": 0, "pruned": 0, "early_stopped": 0}
+        counts = {"rows": 0, "simulated": 0, "skipped_oom": 0, "pruned": 0, "early_stopped": 0, "boundary": 0}
         buffer: list[dict] = []
         last_flush = time.perf_counter()
 
@@ -212,14 +214,30 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
                 bar.advance(task, len(oom))
             if buffer:
                 flush()
-            for unit, rows in execute(units, profile, shortcuts, backend, workers, address, session):
-                take(rows)
-                if on_unit is not None:
-                    on_unit(unit, rows)
-                if bar is not None:
-                    bar.advance(task, len(rows))
-                if len(buffer) >= flush_rows or time.perf_counter() - last_flush >= flush_s:
-                    flush()
+            def run_units(units: list[WorkUnit]) -> None:
+                for unit, rows in execute(units, profile, shortcuts, backend, workers, address, session):
+                    take(rows)
+                    if on_unit is not None:
+                        on_unit(unit, rows)
+                    if bar is not None:
+                        bar.advance(task, len(rows))
+                    if len(buffer) >= flush_rows or time.perf_counter() - last_flush >= flush_s:
+                        flush()
+
+            run_units(units)
+            if grid.boundary_seeds and configs:
+                # extra seeds for the configs near the 0.9 label boundary (known only once they ran)
+                flush()
+                got = read_rows(out, columns=["config_id", "throughput_ratio", "obtained"]).to_pylist()
+                ratios = {r["config_id"]: r["throughput_ratio"] for r in got
+                          if r["obtained"] not in (OBTAINED_OOM, OBTAINED_PRUNED)}
+                done_ids = {r["config_id"] for r in got}
+                extra = [c for c in boundary_configs(configs, ratios, grid.boundary_seeds)
+                         if c.config_id not in done_ids]
+                counts["boundary"] = len(extra)
+                if bar is not None and extra:
+                    bar.update(task, total=bar.tasks[0].total + len(extra))
+                run_units([WorkUnit([c], limits=limits) for c in extra])
         finally:
             if buffer:
                 flush()  # completed units only: everything in the buffer is whole
@@ -231,6 +249,7 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
             "rows": counts["rows"], "simulated": counts["simulated"], "skipped_oom": counts["skipped_oom"],
             "grid_size": grid.size, "configs_per_s": counts["rows"] / wall if wall > 0 else 0.0, "out": str(out),
             "pruned": counts["pruned"], "early_stopped": counts["early_stopped"], "already_done": n_done_before,
+            "boundary_rows": counts["boundary"],
             "selected": len(configs), "rows_total": n_done_before + counts["rows"], "wall_s": wall,
             "backend": backend, "workers": workers if workers > 0 else default_workers(),
             "parts_written": len(writer.parts), "parts_total": len(part_files(out)),

@@ -25,7 +25,7 @@ from ..errors import DataError, SpecError
 META_FILE = "_sweep.json"
 LOCK_FILE = ".lock"
 PART_GLOB = "part-*.parquet"
-FORMAT_VERSION = 2  # 2: max_rate column (oracle.features)
+FORMAT_VERSION = 3  # 2: max_rate column (oracle.features); 3: twin_fingerprint, adapter_labels_exact, rate laws
 
 SCHEMA = pa.schema([
     ("config_id", pa.string()),
@@ -49,6 +49,8 @@ SCHEMA = pa.schema([
     ("duration_s", pa.float64()),
     ("rate_tuple", pa.list_(pa.float64())),
     ("rank_tuple", pa.list_(pa.int32())),
+    ("rate_law", pa.string()),  # kind:low:high:param:draw for non-tuple rate vectors (grid rate_laws)
+    ("pad_fraction", pa.float64()),  # share of real adapters in a padded config (0 = not padded)
     # labels and metrics
     ("oom", pa.bool_()),
     ("error_type", pa.string()),
@@ -74,6 +76,7 @@ SCHEMA = pa.schema([
     ("preemptions", pa.int64()),
     ("adapter_loads", pa.int64()),
     ("adapters_starved", pa.int64()),
+    ("adapter_labels_exact", pa.bool_()),
     # how the row was obtained
     ("obtained", pa.string()),
     ("stop_reason", pa.string()),
@@ -81,6 +84,7 @@ SCHEMA = pa.schema([
     # provenance and timing
     ("twin_version", pa.string()),
     ("profile_hash", pa.string()),
+    ("twin_fingerprint", pa.string()),
     ("wall_s", pa.float64()),
 ])
 COLUMNS = tuple(SCHEMA.names)
@@ -190,7 +194,8 @@ def write_meta(out: Path, meta: dict) -> None:
 
 
 # what must match for --resume to append to an existing directory
-RESUME_KEYS = ("format", "grid_hash", "twin_version", "profile_hash", "shortcuts", "early_stop_active")
+RESUME_KEYS = ("format", "grid_hash", "twin_version", "profile_hash", "twin_fingerprint", "shortcuts",
+               "early_stop_active")
 
 
 def check_resumable(out: Path, meta: dict, resume: bool) -> dict | None:

@@ -15,7 +15,14 @@ Row fields (one row per config; schema in ``store.SCHEMA``):
   ``incoming_expected_tok_s`` = ``sum_rate * (mean_input_tokens + mean_output_tokens)`` (analytic, every row);
 * how the row was obtained: ``obtained`` in {``full``, ``early_certain_starved``, ``early_likely_starved``,
   ``early_healthy_converged``, ``pruned``, ``oom``}, the twin's ``stop_reason`` and ``simulated_s``;
-* provenance: ``twin_version``, ``profile_hash``; timing: ``wall_s`` (seconds spent on this row).
+* provenance: ``twin_version``, ``profile_hash``, ``twin_fingerprint`` (``lorapack.fingerprint``); timing:
+  ``wall_s`` (seconds spent on this row).
+
+Which rows carry which label exactly (``bench/sweep_shortcuts.py`` measures the early ones against full runs):
+``starved`` every non-OOM row (pruned rows: True); ``throughput_tok_s`` full and early rows (early ones are
+extrapolated); ``adapter_starved`` every non-OOM row (starved rows: True); ``adapters_starved`` only rows with
+``adapter_labels_exact`` (full runs and healthy early stops; null otherwise); ITL and TTFT are measured up to
+the stop (see ``lorapack.surrogate.dataset.LABEL_ROWS`` for what training uses).
 
 OOM rows (vLLM would refuse ``(A, S)`` at start-up) are written without simulating: ``starved`` is null and
 the metrics are NaN (throughput 0). Pruned rows (twin.md §7.5) carry ``starved = True`` and NaN for every
@@ -32,6 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .. import __version__
+from ..fingerprint import twin_fingerprint
 from ..guards import Limits
 from ..profile import Profile
 from .grid import SweepConfig
@@ -116,6 +124,7 @@ def features(cfg: SweepConfig, profile: Profile) -> dict:
         "config_id": cfg.config_id, "series_id": cfg.series_id, "seed": cfg.seed, "model": cfg.model,
         "gpu": cfg.gpu, "lengths_kind": cfg.lengths_kind, "duration_s": cfg.duration_s,
         "rate_tuple": list(cfg.rate_tuple), "rank_tuple": list(cfg.rank_tuple),
+        "rate_law": ":".join(map(str, cfg.rate_law)) if cfg.rate_law else None, "pad_fraction": cfg.pad_fraction,
     }
     row.update(feature_row(candidate(cfg, profile)))
     for k in ("served_adapters", "adapter_slots", "max_size", "max_lora_rank"):
@@ -126,7 +135,8 @@ def features(cfg: SweepConfig, profile: Profile) -> dict:
 def _empty_metrics() -> dict:
     out: dict = {k: NAN for k in METRIC_KEYS_FLOAT}
     out.update({k: None for k in METRIC_KEYS_INT})
-    out.update({"adapter_starved": None, "kv_cache_tokens": None, "error_type": None})
+    out.update({"adapter_starved": None, "kv_cache_tokens": None, "error_type": None,
+                "adapter_labels_exact": None})
     return out
 
 
@@ -143,14 +153,16 @@ def pruned_row(cfg: SweepConfig, profile: Profile) -> dict:
     _starts, kv, _err = profile.startup(cfg.adapter_slots, cfg.max_lora_rank)
     row = features(cfg, profile)
     row.update(_empty_metrics())
-    row.update({"oom": False, "starved": True, "kv_cache_tokens": int(kv), "obtained": OBTAINED_PRUNED,
-                "stop_reason": None, "simulated_s": 0.0})
+    # a starved run misses >= 10 % of its tokens: some adapter starves (which ones is unknown)
+    row.update({"oom": False, "starved": True, "adapter_starved": True, "adapter_labels_exact": False,
+                "kv_cache_tokens": int(kv), "obtained": OBTAINED_PRUNED, "stop_reason": None, "simulated_s": 0.0})
     return _provenance(row, profile, 0.0)
 
 
 def _provenance(row: dict, profile: Profile, wall_s: float) -> dict:
     row["twin_version"] = __version__
     row["profile_hash"] = profile.file_hash()
+    row["twin_fingerprint"] = twin_fingerprint(profile)
     row["wall_s"] = wall_s
     return row
 
@@ -169,8 +181,8 @@ _request_cache: OrderedDict[tuple, object] = OrderedDict()
 
 
 def _arrivals_key(cfg: SweepConfig) -> tuple:
-    return (cfg.seed, cfg.served_adapters, cfg.rate_tuple, cfg.lengths_kind, cfg.mean_input_tokens,
-            cfg.mean_output_tokens, cfg.lengths_cv, cfg.duration_s)
+    return (cfg.seed, cfg.served_adapters, cfg.rate_tuple, cfg.rate_law, cfg.pad_fraction, cfg.explicit_rates,
+            cfg.lengths_kind, cfg.mean_input_tokens, cfg.mean_output_tokens, cfg.lengths_cv, cfg.duration_s)
 
 
 def config_requests(cfg: SweepConfig, limits: Limits | None = None):
@@ -229,7 +241,11 @@ def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts, li
     for k in METRIC_KEYS_INT:
         row[k] = _num(columns[k], int)
     reason = m.stop_reason or "full"
+    exact = bool(m.adapter_labels_exact)
+    if not exact:
+        row["adapters_starved"] = None  # which adapters starve by the window end is unknown
     row.update({
+        "adapter_labels_exact": exact,
         "oom": False, "error_type": None, "kv_cache_tokens": int(m.kv_cache_tokens),
         "starved": bool(m.starved), "adapter_starved": bool(m.adapter_starved),
         "obtained": OBTAINED_FULL if reason == "full" else f"early_{reason}", "stop_reason": reason,

@@ -1,20 +1,28 @@
 """Early termination of a twin run (twin.md §7.4), for dataset generation and placement checks.
 
 The run advances in windows of ``window_s`` simulated seconds (the engine pauses between steps, so a
-paused run is the uninterrupted run). After each window:
+paused run is the uninterrupted run). After each window the tests below look at the window series; each is
+a pure function (``healthy_converged``, ``starvation_certain``, ``starvation_likely``, ``starved_trend``,
+``adapter_labels_settled``) so that it can be tested on its own.
 
-* **healthy convergence** — after ``healthy_min_s``: completed / (sent − in flight) tokens above
-  ``healthy_ratio``, no upward trend of the waiting queue after warm-up (one-sided p < ``trend_p``), and the
-  oldest waiting request younger than ``healthy_max_wait_s`` (a starving cold adapter would show up here).
-  Then ``F(T) ≈ I − Q̄``, with ``I`` the tokens of all arrivals in the window (known exactly: arrivals are
-  pre-generated) and ``Q̄`` the mean in-flight tokens after warm-up.
+* **healthy convergence** — after ``healthy_min_s``: the tokens completed since warm-up over the tokens that
+  arrived since warm-up above ``healthy_ratio`` (a backlog that builds up shows here), no upward trend of
+  the waiting queue after warm-up (one-sided p < ``trend_p``), the oldest *waiting* request younger than
+  ``healthy_max_wait_s`` (a starving cold adapter would show up here), **and the per-adapter labels
+  settled** (``adapter_labels_settled``: even if every request still open, or still to arrive, took twice
+  the slowest sojourn seen so far, every adapter would still complete >= 90 % of its tokens by ``T`` and
+  nothing would wait 300 s; otherwise the run goes on, usually to the end). Then ``F(T) ≈ I − Q̄``, with
+  ``I`` the tokens of all arrivals in the window (known exactly: arrivals are pre-generated) and ``Q̄`` the
+  mean in-flight tokens after warm-up; no adapter is starved.
 * **starvation** — after ``starved_min_s``, when starvation is *certain* (even completing tokens at the
   GPU's maximum possible rate from now on, ``F(t) + min(Q(t) + R(t), (T − t)·C_max) < 0.9·I``; F completed,
   Q in-system, R still-to-arrive tokens, ``C_max`` from the step-time model: every token costs at least
   ``min(p1, c1)`` ms) or *likely* (each of the last ``starved_windows`` windows had goodput below
   ``(0.9 − starved_margin)`` × the offered rate and the waiting queue grows, one-sided p < ``trend_p``):
   stop once the goodput's linear trend over those windows has settled (its drift over the remaining time
-  is within ``starved_max_drift`` of the goodput) and integrate that trend to ``T``.
+  is within ``starved_max_drift`` of the goodput) and integrate that trend to ``T``. A run that misses
+  >= 10 % of its tokens has at least one starved adapter, so ``adapter_starved`` is True; *which* adapters
+  starve by ``T`` is not known (``adapter_labels_exact`` False: the indices are those starved at the stop).
 
 ITL and completed-only TTFT are those measured up to the stop. Why the thresholds are conservative:
 in adapter-starved runs (few slots, many adapters) the goodput keeps rising for tens of minutes as queues
@@ -33,7 +41,14 @@ import numpy as np
 
 from ..guards import Limits
 from .engine import Engine
-from .metrics import STARVATION_RATIO, RunMetrics, compute_metrics
+from .metrics import (
+    ADAPTER_GRACE_S,
+    ADAPTER_MAX_WAIT_S,
+    ADAPTER_MIN_REQUESTS,
+    STARVATION_RATIO,
+    RunMetrics,
+    compute_metrics,
+)
 from .steptime import C1, P1
 from .types import EngineConfig, EngineResult, RequestArrays
 
@@ -58,6 +73,26 @@ class EarlyStopOptions:
     healthy_ratio: float = 0.97
     healthy_max_wait_s: float = 60.0
     warmup_s: float = 300.0
+    sojourn_margin: float = 2.0  # adapter labels: open requests may take this many times the slowest sojourn
+
+
+@dataclass
+class WindowSeries:
+    """What the rules see after each window: its end time and per-window rates / end-of-window levels."""
+
+    t_marks: list[float]
+    goodput: list[float]  # completed tokens per second in the window
+    offered: list[float]  # arrived tokens per second in the window
+    waiting: list[int]  # waiting requests at the window end
+    inflight: list[int]  # in-system tokens at the window end
+
+    @classmethod
+    def empty(cls) -> WindowSeries:
+        return cls([], [], [], [], [])
+
+    def after(self, t_s: float) -> np.ndarray:
+        """Mask of the windows that end after ``t_s``."""
+        return np.asarray(self.t_marks, float) > t_s
 
 
 def _slope_p(y: np.ndarray) -> tuple[float, float]:
@@ -78,10 +113,99 @@ def _slope_p(y: np.ndarray) -> tuple[float, float]:
     return slope, float(stdtr(dof, -slope / se))
 
 
+def grows(y: np.ndarray, trend_p: float) -> bool:
+    """One-sided test: does ``y`` trend upward (p < ``trend_p``)?"""
+    slope, p = _slope_p(np.asarray(y, float))
+    return slope > 0 and p < trend_p
+
+
 def capacity_bound_tok_s(step_coef: np.ndarray) -> float:
     """Upper bound on completed tokens per second: each token needs >= min(p1, c1) ms of step time."""
     per_token_ms = min(step_coef[P1], step_coef[C1])
     return 1000.0 / per_token_ms if per_token_ms > 0 else float("inf")
+
+
+def healthy_converged(ws: WindowSeries, oldest_wait_s: float, opts: EarlyStopOptions) -> bool:
+    """Run-level healthy test: completed vs arrived tokens since warm-up, no growing queue, no old waiter."""
+    if not ws.t_marks or ws.t_marks[-1] < opts.healthy_min_s:
+        return False
+    warm = ws.after(opts.warmup_s)
+    if warm.sum() < 3:
+        return False
+    t = np.asarray(ws.t_marks, float)
+    span = np.diff(np.concatenate([[0.0], t]))
+    done = float((np.asarray(ws.goodput) * span)[warm].sum())
+    arrived = float((np.asarray(ws.offered) * span)[warm].sum())
+    ratio = done / arrived if arrived > 0 else 1.0
+    return (ratio > opts.healthy_ratio and not grows(np.asarray(ws.waiting, float)[warm], opts.trend_p)
+            and oldest_wait_s < opts.healthy_max_wait_s)
+
+
+def starvation_certain(completed_tok: float, inflight_tok: float, to_arrive_tok: float, t_s: float, T: float,
+                       c_max_tok_s: float, total_tok: float) -> bool:
+    """Starved even if the GPU completed tokens at its maximum possible rate from now on."""
+    return completed_tok + min(inflight_tok + to_arrive_tok, (T - t_s) * c_max_tok_s) < STARVATION_RATIO * total_tok
+
+
+def starvation_likely(ws: WindowSeries, opts: EarlyStopOptions) -> bool:
+    """Each of the last ``starved_windows`` windows clearly below 0.9 x offered and the waiting queue grows."""
+    k = opts.starved_windows
+    if len(ws.goodput) < k:
+        return False
+    if not all(g < (STARVATION_RATIO - opts.starved_margin) * o
+               for g, o in zip(ws.goodput[-k:], ws.offered[-k:], strict=True)):
+        return False
+    return grows(np.asarray(ws.waiting, float), opts.trend_p)
+
+
+def starved_trend(ws: WindowSeries, completed_tok: float, t_s: float, T: float, total_tok: float,
+                  opts: EarlyStopOptions) -> float | None:
+    """Completed tokens at ``T`` from the goodput's linear trend over the last windows, or None while the
+    trend has not settled (its drift over the remaining time exceeds ``starved_max_drift`` of the goodput)."""
+    k = opts.starved_windows
+    if len(ws.goodput) < k:
+        return None
+    mid = np.asarray(ws.t_marks[-k:], float) - opts.window_s / 2
+    g = np.asarray(ws.goodput[-k:], float)
+    b, a = np.polyfit(mid, g, 1)
+    if abs(b) * (T - t_s) > opts.starved_max_drift * max(float(g.mean()), 1e-9):
+        return None
+    return float(min(completed_tok + a * (T - t_s) + b * (T * T - t_s * t_s) / 2, total_tok))
+
+
+def adapter_labels_settled(res: EngineResult, req: RequestArrays, t_s: float, T: float, n_adapters: int,
+                           opts: EarlyStopOptions) -> bool:
+    """Would every adapter's label at ``T`` be "not starved" whatever happens after ``t_s``?
+
+    Worst case: every request still open at ``t_s`` (or arriving later) takes ``sojourn_margin`` times the
+    slowest first-token time plus ``sojourn_margin`` times its own output length at the slowest per-token
+    pace seen so far. The label (twin.md §4.2: completed-token ratio < 0.9 with >= 20 requests, or a
+    request open for more than 300 s) must be "not starved" for every adapter in that worst case; in the
+    best case (everything done at once) it is "not starved" anyway. As in ``compute_metrics``, the ratio
+    counts the requests sent ``ADAPTER_GRACE_S`` before the end."""
+    done = np.isfinite(res.t_finish_s) & (res.t_finish_s <= t_s)
+    if not done.any():
+        return False
+    o = req.output_tokens.astype(np.int64)
+    ttft_hi = float(np.max(res.t_first_s[done] - res.t_sent_s[done]))
+    multi = done & (o > 1)
+    pace_hi = float(np.max((res.t_finish_s[multi] - res.t_first_s[multi]) / (o[multi] - 1))) if multi.any() else 0.0
+    sent = req.t_arr_s < T
+    start = np.maximum(req.t_arr_s, t_s)  # an open request cannot finish before now
+    finish_hi = start + opts.sojourn_margin * (ttft_hi + (o - 1) * pace_hi)
+    open_at_T = sent & ~done & (finish_hi > T)
+    if (open_at_T & (req.t_arr_s < T - ADAPTER_MAX_WAIT_S)).any():
+        return False
+    tok = req.prompt_tokens.astype(np.int64) + o
+    ad = req.adapter
+    ripe = sent & (req.t_arr_s < (T - ADAPTER_GRACE_S if T > 2 * ADAPTER_GRACE_S else T))
+    sent_tok = np.bincount(ad[ripe], weights=tok[ripe], minlength=n_adapters)
+    sent_n = np.bincount(ad[ripe], minlength=n_adapters)
+    ok_tok = ripe & ~open_at_T
+    worst = np.bincount(ad[ok_tok], weights=tok[ok_tok], minlength=n_adapters)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(sent_tok > 0, worst / sent_tok, 1.0)
+    return not ((ratio < STARVATION_RATIO) & (sent_n >= ADAPTER_MIN_REQUESTS)).any()
 
 
 def _full_run_metrics(res: EngineResult, req: RequestArrays, cfg: EngineConfig) -> RunMetrics:
@@ -107,51 +231,41 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
     c_max = capacity_bound_tok_s(cfg.step_coef)
     w = opts.window_s
     prev = eng.snapshot()
-    goodput, offered, waiting, inflight, t_marks = [], [], [], [], []
+    ws = WindowSeries.empty()
     reason = STOP_FULL
     done_tok_est = float("nan")
+    labels_unsettled = False  # the healthy test passed but the adapter labels were not settled
     while not eng.done:
-        t0 = t_marks[-1] if t_marks else 0.0
+        t0 = ws.t_marks[-1] if ws.t_marks else 0.0
         eng.advance_to(min(t0 + w, T))
         snap = eng.snapshot()
         t_now = min(snap["t_s"], T)
         span = max(t_now - t0, 1e-9)
         lo, hi = np.searchsorted(req.t_arr_s, [t0, t_now], side="right")
-        goodput.append((snap["completed_tokens"] - prev["completed_tokens"]) / span)
-        offered.append(float(cum_tok[hi] - cum_tok[lo]) / span)
-        waiting.append(snap["num_requests_waiting"])
-        inflight.append(snap["inflight_tokens"])
-        t_marks.append(t_now)
+        ws.goodput.append((snap["completed_tokens"] - prev["completed_tokens"]) / span)
+        ws.offered.append(float(cum_tok[hi] - cum_tok[lo]) / span)
+        ws.waiting.append(snap["num_requests_waiting"])
+        ws.inflight.append(snap["inflight_tokens"])
+        ws.t_marks.append(t_now)
         prev = snap
         if eng.done:
             break
         f_t, q_t = snap["completed_tokens"], snap["inflight_tokens"]
-        if opts.healthy and t_now >= opts.healthy_min_s:
-            ratio = f_t / max(snap["sent_tokens"] - q_t, 1.0)
-            warm = [x for x, tm in zip(waiting, t_marks, strict=True) if tm > opts.warmup_s]
-            slope, p = _slope_p(np.array(warm, float))
-            grows = slope > 0 and p < opts.trend_p
-            if ratio > opts.healthy_ratio and not grows and snap["oldest_wait_s"] < opts.healthy_max_wait_s:
-                q_bar = float(np.mean([q for q, tm in zip(inflight, t_marks, strict=True) if tm > opts.warmup_s]))
+        if opts.healthy and not labels_unsettled and healthy_converged(ws, snap["oldest_wait_s"], opts):
+            if adapter_labels_settled(eng.result(), req, t_now, T, cfg.n_adapters, opts):
+                q_bar = float(np.mean(np.asarray(ws.inflight, float)[ws.after(opts.warmup_s)]))
                 done_tok_est = total_tok - q_bar
                 reason = STOP_HEALTHY
                 break
-        k = opts.starved_windows
-        if (opts.certain or opts.likely) and t_now >= opts.starved_min_s and len(goodput) >= k:
-            r_t = total_tok - snap["sent_tokens"]
-            certain = opts.certain and f_t + min(q_t + r_t, (T - t_now) * c_max) < STARVATION_RATIO * total_tok
-            likely = False
-            if opts.likely and all(g < (STARVATION_RATIO - opts.starved_margin) * o
-                                   for g, o in zip(goodput[-k:], offered[-k:], strict=True)):
-                slope, p = _slope_p(np.array(waiting, float))
-                likely = slope > 0 and p < opts.trend_p
+            labels_unsettled = True  # the worst case does not depend on when we look: no healthy stop
+        if (opts.certain or opts.likely) and t_now >= opts.starved_min_s and len(ws.goodput) >= opts.starved_windows:
+            certain = opts.certain and starvation_certain(f_t, q_t, total_tok - snap["sent_tokens"], t_now, T,
+                                                          c_max, total_tok)
+            likely = not certain and opts.likely and starvation_likely(ws, opts)
             if certain or likely:
-                # extrapolate the goodput's linear trend, but only once it has settled
-                mid = np.array(t_marks[-k:]) - w / 2
-                b, a = np.polyfit(mid, np.array(goodput[-k:]), 1)
-                g_mean = float(np.mean(goodput[-k:]))
-                if abs(b) * (T - t_now) <= opts.starved_max_drift * max(g_mean, 1e-9):
-                    done_tok_est = min(f_t + a * (T - t_now) + b * (T * T - t_now * t_now) / 2, total_tok)
+                est = starved_trend(ws, f_t, t_now, T, total_tok, opts)
+                if est is not None:
+                    done_tok_est = est
                     reason = STOP_CERTAIN if certain else STOP_LIKELY
                     break
 
@@ -172,10 +286,16 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
     pen = ((ttft if np.isfinite(ttft) else 0.0) * n_done + (n_sent_total - n_done) * T * 1000.0) / n_sent_total \
         if n_sent_total else float("nan")
     frac_in = float(req.prompt_tokens[in_window].sum()) / total_tok if total_tok else 0.5
+    starved = bool(throughput < STARVATION_RATIO * incoming)
     out = out.replace(
         throughput_tok_s=throughput, input_tok_s=throughput * frac_in, output_tok_s=throughput * (1 - frac_in),
         incoming_tok_s=incoming, throughput_ratio=throughput / incoming if incoming else float("nan"),
-        starved=bool(throughput < STARVATION_RATIO * incoming), ttft_penalised_mean_ms=pen,
+        starved=starved, ttft_penalised_mean_ms=pen,
         n_arrived=n_sent_total, n_completed=n_done, stop_reason=reason, simulated_s=t_stop,
     )
+    if reason == STOP_HEALTHY:  # settled: no adapter starves by T (adapter_labels_settled)
+        out = out.replace(n_adapters_starved=0, adapter_starved=False, starved_adapter_indices=(),
+                          adapter_labels_exact=True)
+    else:  # >= 10 % of the tokens missing: some adapter starves; which ones is not known before T
+        out = out.replace(adapter_starved=True, adapter_labels_exact=False)
     return res, out, eng

@@ -113,7 +113,7 @@ N_ISC = 19
 F_T, F_BUSY, F_SCHED, F_LOAD = range(4)
 N_FSC = 4
 # positions in the state tuple that the Python side reads
-A_T_SENT, A_T_FIRST, A_T_FINISH, A_N_PREEMPTED, A_W_HEAD, A_TK_ALL, A_TA_ALL, A_TIMELINE = 3, 4, 5, 6, 7, 11, 12, 32
+A_STATUS, A_T_SENT, A_T_FIRST, A_T_FINISH, A_N_PREEMPTED, A_TIMELINE = 1, 3, 4, 5, 6, 32
 
 
 @njit(cache=True)
@@ -568,9 +568,12 @@ class Engine:
         isc = self.isc
         a = self.arrays
         oldest_wait_s = 0.0
-        if isc[I_N_WAITING] > 0 and a[A_TK_ALL][1] < INF_KEY:
-            r = a[A_W_HEAD][a[A_TA_ALL][1]]  # head of the adapter holding the smallest key
-            oldest_wait_s = self.t_s - float(a[A_T_SENT][r])
+        if isc[I_N_WAITING] > 0:
+            # the age of the oldest *waiting* request (a preemption victim keeps its send time). Queue keys
+            # order admission, not age (victims sort first, latest victim first), so scan the injected ones.
+            ptr = int(isc[I_PTR])
+            waiting = a[A_STATUS][:ptr] == WAITING
+            oldest_wait_s = self.t_s - float(a[A_T_SENT][:ptr][waiting].min())
         return {
             "t_s": self.t_s, "num_requests_running": int(isc[I_N_RUN]),
             "num_requests_waiting": int(isc[I_N_WAITING]), "kv_used_blocks": int(self.cfg.kv_blocks - isc[I_FREE]),

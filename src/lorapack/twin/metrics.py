@@ -23,6 +23,11 @@ import numpy as np
 from .types import EngineResult, RequestArrays
 
 STARVATION_RATIO = 0.9
+# per-adapter label (twin.md §4.2 extension): the ratio test counts adapters with at least this many requests
+# sent ADAPTER_GRACE_S before the end; a request open longer than ADAPTER_MAX_WAIT_S starves its adapter
+ADAPTER_MIN_REQUESTS = 20
+ADAPTER_MAX_WAIT_S = 300.0
+ADAPTER_GRACE_S = 120.0
 NAN = float("nan")
 
 
@@ -93,6 +98,7 @@ class RunMetrics:
     starved_adapter_indices: tuple[int, ...] = ()  # registration order
     adapter_min_token_ratio: float = NAN
     adapter_max_wait_s: float = NAN
+    adapter_labels_exact: bool = True  # False: an early stop knew the run starved, not which adapters (twin.early)
     # how the run ended, with which flags
     stop_reason: str | None = None  # "full" or an early-stop reason (twin.early)
     simulated_s: float = NAN  # simulated window (< duration_s after an early stop)
@@ -134,8 +140,8 @@ def _stat(x: np.ndarray, fn) -> float:
 
 
 def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_adapters: int,
-                    adapter_min_requests: int = 20, adapter_max_wait_s: float = 300.0,
-                    adapter_grace_s: float = 120.0) -> RunMetrics:
+                    adapter_min_requests: int = ADAPTER_MIN_REQUESTS, adapter_max_wait_s: float = ADAPTER_MAX_WAIT_S,
+                    adapter_grace_s: float = ADAPTER_GRACE_S) -> RunMetrics:
     """Run-level metrics plus per-adapter starvation (twin.md §4.2 extension)."""
     p = req.prompt_tokens.astype(np.int64)
     o = req.output_tokens.astype(np.int64)

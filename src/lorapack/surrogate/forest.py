@@ -1,0 +1,213 @@
+"""Tree ensembles as flat arrays, evaluated by one numba loop (issue 8, Deliver 6).
+
+A ``FlatForest`` holds every tree of one model in five node arrays (``feature``, ``threshold``, ``left``,
+``right``, ``value``; a leaf has ``left == -1``) plus the root of each tree. A row goes left when
+``x[feature] <= threshold``. The raw output is the mean (random forests, single trees) or the sum plus a
+baseline (gradient boosting) of the leaf values; ``link`` maps it to the target (identity, exp, logistic).
+Random forests and scikit-learn's decision trees compare float32 features (they cast their input), so
+``x_float32`` rounds the features first; then the compiled evaluator reproduces ``predict`` exactly.
+
+Export: ``from_sklearn(estimator)`` for ``RandomForestRegressor/Classifier``, ``DecisionTreeRegressor/
+Classifier`` and ``HistGradientBoostingRegressor/Classifier`` (binary); anything else raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from ..errors import DataError
+
+LINKS = ("identity", "exp", "logistic")
+AGGS = ("mean", "sum")
+ARRAYS = ("feature", "threshold", "left", "right", "value", "roots")
+
+
+@njit(cache=True)
+def _eval(X, feature, threshold, left, right, value, roots, mean_agg, base, link, x32, out):
+    n, m = X.shape
+    n_trees = roots.shape[0]
+    for i in range(n):
+        acc = 0.0
+        for t in range(n_trees):
+            k = roots[t]
+            while left[k] >= 0:
+                f = feature[k]
+                x = X[i, f]
+                if x32:
+                    x = np.float64(np.float32(x))
+                if x <= threshold[k]:
+                    k = left[k]
+                else:
+                    k = right[k]
+            acc += value[k]
+        if mean_agg:
+            acc = acc / n_trees
+        acc += base
+        if link == 1:
+            acc = np.exp(acc)
+        elif link == 2:
+            acc = 1.0 / (1.0 + np.exp(-acc))
+        out[i] = acc
+
+
+@dataclass
+class FlatForest:
+    """One exported tree model (see the module docstring)."""
+
+    feature: np.ndarray  # int32 [nodes]
+    threshold: np.ndarray  # float64 [nodes]
+    left: np.ndarray  # int32 [nodes], -1 at leaves
+    right: np.ndarray  # int32 [nodes]
+    value: np.ndarray  # float64 [nodes] (leaf values; internal nodes unused)
+    roots: np.ndarray  # int32 [trees]
+    agg: str = "mean"
+    base: float = 0.0
+    link: str = "identity"
+    x_float32: bool = False
+    n_features: int = 0
+
+    def __post_init__(self) -> None:
+        self.feature = np.ascontiguousarray(self.feature, dtype=np.int32)
+        self.threshold = np.ascontiguousarray(self.threshold, dtype=np.float64)
+        self.left = np.ascontiguousarray(self.left, dtype=np.int32)
+        self.right = np.ascontiguousarray(self.right, dtype=np.int32)
+        self.value = np.ascontiguousarray(self.value, dtype=np.float64)
+        self.roots = np.ascontiguousarray(self.roots, dtype=np.int32)
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse arrays the compiled loop could walk out of (or loop forever in)."""
+        n = len(self.feature)
+        if not (len(self.threshold) == len(self.left) == len(self.right) == len(self.value) == n) or n == 0:
+            raise DataError("tree arrays of unequal length or empty")
+        if len(self.roots) == 0 or self.roots.min() < 0 or self.roots.max() >= n:
+            raise DataError("tree roots outside the node arrays")
+        if self.agg not in AGGS or self.link not in LINKS:
+            raise DataError(f"unknown aggregation '{self.agg}' or link '{self.link}'")
+        inner = self.left >= 0
+        if (self.right[inner] < 0).any() or (self.left[~inner] != -1).any():
+            raise DataError("tree nodes with one child")
+        # children point forward (every exporter numbers nodes in preorder): walks end, indices stay in range
+        idx = np.arange(n)
+        if (self.left[inner] <= idx[inner]).any() or (self.right[inner] <= idx[inner]).any() or \
+                (self.left.max() >= n) or (self.right.max() >= n):
+            raise DataError("tree children out of order or out of range")
+        if (self.feature[inner] < 0).any() or (self.n_features and (self.feature[inner] >= self.n_features).any()):
+            raise DataError("tree split on a feature outside the feature vector")
+        if not (np.isfinite(self.value[~inner]).all() and np.isfinite(self.threshold[inner]).all()
+                and np.isfinite(self.base)):
+            raise DataError("non-finite tree values or thresholds")
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.feature)
+
+    @property
+    def n_leaves(self) -> int:
+        return int((self.left < 0).sum())
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        X = np.ascontiguousarray(X, dtype=np.float64)
+        if X.ndim != 2 or (self.n_features and X.shape[1] != self.n_features):
+            raise DataError(f"feature matrix of shape {X.shape}; expected [n, {self.n_features}]")
+        out = np.empty(X.shape[0])
+        _eval(X, self.feature, self.threshold, self.left, self.right, self.value, self.roots,
+              self.agg == "mean", float(self.base), LINKS.index(self.link), self.x_float32, out)
+        return out
+
+    # ---- persistence (plain arrays + a small dict; no pickle) ----
+    def arrays(self, prefix: str) -> dict[str, np.ndarray]:
+        return {f"{prefix}.{k}": getattr(self, k) for k in ARRAYS}
+
+    def header(self) -> dict:
+        return {"agg": self.agg, "base": float(self.base), "link": self.link, "x_float32": bool(self.x_float32),
+                "n_features": int(self.n_features), "n_nodes": self.n_nodes, "n_trees": int(len(self.roots)),
+                "n_leaves": self.n_leaves}
+
+    @classmethod
+    def from_arrays(cls, prefix: str, arrays, header: dict) -> FlatForest:
+        try:
+            parts = {k: np.asarray(arrays[f"{prefix}.{k}"]) for k in ARRAYS}
+            return cls(**parts, agg=str(header["agg"]), base=float(header["base"]), link=str(header["link"]),
+                       x_float32=bool(header["x_float32"]), n_features=int(header["n_features"]))
+        except KeyError as e:
+            raise DataError(f"model arrays for '{prefix}' incomplete (missing {e})") from None
+
+
+def _concat(trees: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    """Concatenate per-tree (feature, threshold, left, right, value) with child indices offset."""
+    feats, thrs, lefts, rights, vals, roots = [], [], [], [], [], []
+    off = 0
+    for f, t, lft, rgt, v in trees:
+        roots.append(off)
+        feats.append(f)
+        thrs.append(t)
+        lefts.append(np.where(lft >= 0, lft + off, -1))
+        rights.append(np.where(rgt >= 0, rgt + off, -1))
+        vals.append(v)
+        off += len(f)
+    return (np.concatenate(feats), np.concatenate(thrs), np.concatenate(lefts), np.concatenate(rights),
+            np.concatenate(vals), np.array(roots))
+
+
+def _sk_tree(tree, classifier: bool) -> tuple[np.ndarray, ...]:
+    t = tree.tree_
+    left = t.children_left.astype(np.int64)
+    leaf = left < 0
+    if classifier:
+        v = t.value[:, 0, :]
+        tot = v.sum(axis=1)
+        val = np.where(tot > 0, v[:, -1] / np.where(tot > 0, tot, 1.0), 0.0)  # P(last class = True)
+    else:
+        val = t.value[:, 0, 0]
+    feat = np.where(leaf, 0, t.feature)
+    thr = np.where(leaf, 0.0, t.threshold)
+    return feat, thr, np.where(leaf, -1, left), np.where(leaf, -1, t.children_right), val
+
+
+def _hgb_tree(pred) -> tuple[np.ndarray, ...]:
+    nodes = pred.nodes
+    leaf = nodes["is_leaf"].astype(bool)
+    if (nodes["is_categorical"][~leaf] != 0).any():
+        raise DataError("categorical splits are not supported by the flat evaluator")
+    feat = np.where(leaf, 0, nodes["feature_idx"])
+    thr = np.where(leaf, 0.0, nodes["num_threshold"])
+    left = np.where(leaf, -1, nodes["left"].astype(np.int64))
+    right = np.where(leaf, -1, nodes["right"].astype(np.int64))
+    return feat, thr, left, right, nodes["value"].astype(np.float64)
+
+
+def from_sklearn(est, n_features: int, link: str = "identity") -> FlatForest:
+    """Export a fitted scikit-learn tree model (see the module docstring). ``link`` applies to regressors
+    (e.g. ``exp`` for a model of a log target); classifiers give P(True)."""
+    from sklearn.ensemble import (
+        HistGradientBoostingClassifier,
+        HistGradientBoostingRegressor,
+        RandomForestClassifier,
+        RandomForestRegressor,
+    )
+    from sklearn.tree import DecisionTreeClassifier, DecisionTreeRegressor
+
+    if hasattr(est, "steps"):  # a Pipeline: only a bare tree model can be exported
+        est = est.steps[-1][1]
+    if isinstance(est, RandomForestRegressor | RandomForestClassifier | DecisionTreeRegressor | DecisionTreeClassifier):
+        clf = isinstance(est, RandomForestClassifier | DecisionTreeClassifier)
+        if clf and list(est.classes_) != [False, True] and list(est.classes_) != [0, 1]:
+            raise DataError(f"classifier with classes {list(est.classes_)}; expected a binary False/True label")
+        trees = est.estimators_ if hasattr(est, "estimators_") else [est]
+        arr = _concat([_sk_tree(t, clf) for t in trees])
+        return FlatForest(*arr, agg="mean", base=0.0, link="identity" if clf else link, x_float32=True,
+                          n_features=n_features)
+    if isinstance(est, HistGradientBoostingRegressor | HistGradientBoostingClassifier):
+        clf = isinstance(est, HistGradientBoostingClassifier)
+        if clf and len(est.classes_) != 2:
+            raise DataError("only binary gradient-boosting classifiers are supported")
+        arr = _concat([_hgb_tree(it[0]) for it in est._predictors])
+        base = float(np.ravel(est._baseline_prediction)[0])
+        return FlatForest(*arr, agg="sum", base=base, link="logistic" if clf else link, x_float32=False,
+                          n_features=n_features)
+    raise DataError(f"cannot export a {type(est).__name__}: only random forests, decision trees and histogram "
+                    f"gradient boosting are compiled")
