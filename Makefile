@@ -35,6 +35,7 @@ models: $(STAMP)
 
 # the evaluate study of issue 9 (144 scenarios; niced: the machine is shared), then its tables into the docs
 evaluate: $(STAMP)
+	mkdir -p results
 	nice -n 10 $(BIN)/lorapack evaluate studies/evaluate/llama.yaml studies/evaluate/qwen.yaml \
 		--out results/evaluate --jobs 2 --workers 1 $(EVALUATE_ARGS)
 	$(BIN)/python scripts/evaluation_doc.py results/evaluate

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from lorapack.checks import write_text_atomic
 from lorapack.evaluate.report import study_figures, study_markdown
 from lorapack.textfiles import json_safe
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = study_figures(doc, args.figures)
     rel = args.figures.resolve().relative_to(args.doc.resolve().parent)
-    (args.figures / "results.json").write_text(json.dumps(json_safe(_slim(doc)), indent=1) + "\n")
+    write_text_atomic(args.figures / "results.json", json.dumps(json_safe(_slim(doc)), indent=1) + "\n")
     skipped = doc.get("skipped") or []
     head = (f"{len(doc['scenarios'])} scenarios, {doc.get('wall_s', 0) / 60:.0f} min wall"
             + (f" (budget {doc['budget_s']:g} s; skipped: {len(skipped)} units)" if doc.get("budget_s") else "")
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     body = head + "\n" + study_markdown(doc, [f"{rel}/{n}" for n in names])
     before, rest = text.split(BEGIN, 1)
     _, after = rest.split(END, 1)
-    args.doc.write_text(f"{before}{BEGIN}\n{body}\n{END}{after}")
+    write_text_atomic(args.doc, f"{before}{BEGIN}\n{body}\n{END}{after}")
     print(f"wrote {args.doc} and {len(names)} figures in {args.figures}")
     return 0
 

@@ -68,7 +68,7 @@ def demo(
     half-hour through the twin, and show GPUs used against the lower bound."""
     import tempfile
 
-    from ..evaluate.parallel import PoolMapper
+    from ..evaluate.parallel import ExecutorMapper, replay_executor
     from ..evaluate.placers import default_placer
     from ..evaluate.runner import evaluate_scenarios
     from ..placement.export import check_out_dir, write_outputs
@@ -82,7 +82,8 @@ def demo(
     placer = default_placer(workers)
     methods = list(DEMO_METHODS)
     # the synthetic trace (no shared data) is read during the evaluation: keep its directory until then
-    with tempfile.TemporaryDirectory() as tmp, PoolMapper(workers) as mapper:
+    with tempfile.TemporaryDirectory() as tmp, replay_executor(workers) as ex:
+        mapper = ExecutorMapper(ex)
         sc, note = _demo_scenario(model, Path(tmp))
         doc = evaluate_scenarios([sc], placer, tuple(methods), mapper=mapper, keep_plans=True)
         first = doc["scenarios"][0]["methods"][methods[0]]

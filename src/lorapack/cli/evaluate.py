@@ -50,7 +50,7 @@ def evaluate(
     the plans through the twin per GPU, and report GPUs, lower bound, starvation, OOM, throughput, latency."""
     from dataclasses import replace
 
-    from ..evaluate.parallel import PoolMapper
+    from ..evaluate.parallel import ExecutorMapper, replay_executor
     from ..evaluate.placers import check_methods, default_placer
     from ..evaluate.report import contract_json, write_outputs, write_results
     from ..evaluate.runner import evaluate_scenarios
@@ -128,8 +128,8 @@ def evaluate(
             doc = evaluate_parallel(scs, meths, budget_s, jobs, workers_n, keep_plans=out is not None,
                                     on_group=on_group)
         else:
-            with PoolMapper(workers_n) as mapper:
-                doc = evaluate_scenarios(scs, placer, meths, budget_s, mapper, on_step=on_step,
+            with replay_executor(workers_n) as ex:
+                doc = evaluate_scenarios(scs, placer, meths, budget_s, ExecutorMapper(ex), on_step=on_step,
                                          on_scenario=on_scenario, keep_plans=out is not None)
     files = write_outputs(doc, out) if out is not None else {}
     if json_out:

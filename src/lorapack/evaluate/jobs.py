@@ -4,14 +4,11 @@ the scenarios' order. Heavier groups (more adapters × load) start first so the 
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
 
+from ..executor import Executor
 from .runner import RESULTS_FORMAT, evaluate_scenarios
 from .scenario import Scenario
 
@@ -30,12 +27,12 @@ def workload_groups(scenarios: list[Scenario]) -> list[list[Scenario]]:
 def _run_group(group: list[Scenario], methods: tuple[str, ...] | None, budget_s: float | None, started: float,
                workers: int, keep_plans: bool) -> dict[str, Any]:
     from . import placers
-    from .parallel import PoolMapper
+    from .parallel import ExecutorMapper, replay_executor
 
-    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     placer = placers.default_placer(workers)
-    with PoolMapper(workers) as mapper:
-        return evaluate_scenarios(group, placer, methods, budget_s, mapper, keep_plans=keep_plans, started=started)
+    with replay_executor(workers) as ex:
+        return evaluate_scenarios(group, placer, methods, budget_s, ExecutorMapper(ex), keep_plans=keep_plans,
+                                  started=started)
 
 
 def evaluate_parallel(scenarios: list[Scenario], methods: tuple[str, ...] | None, budget_s: float | None,
@@ -45,18 +42,13 @@ def evaluate_parallel(scenarios: list[Scenario], methods: tuple[str, ...] | None
     started = time.monotonic()
     groups = workload_groups(scenarios)
     order = sorted(range(len(groups)), key=lambda i: -groups[i][0].n_adapters * groups[i][0].load_scale)
-    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     done: dict[int, dict[str, Any]] = {}
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        pending = {pool.submit(_run_group, groups[i], methods, budget_s, started, workers, keep_plans): i
-                   for i in order}
-        while pending:
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in finished:
-                i = pending.pop(fut)
-                done[i] = fut.result()
-                if on_group:
-                    on_group(done[i])
+    with Executor(workers=jobs, in_flight_per_worker=1) as ex:
+        for k, doc in ex.imap(_run_group, [(groups[i], methods, budget_s, started, workers, keep_plans)
+                                           for i in order]):
+            done[order[k]] = doc
+            if on_group:
+                on_group(doc)
     docs = [done[i] for i in range(len(groups))]
     return {"format": RESULTS_FORMAT, "scenarios": [s for d in docs for s in d["scenarios"]],
             "max_pack": [c for d in docs for c in d["max_pack"]], "skipped": [k for d in docs for k in d["skipped"]],

@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from ..checks import write_text_atomic
 from ..textfiles import fmt, json_safe
 from .runner import CONTRACT_KEYS
 
@@ -366,38 +367,28 @@ def plot_figures(doc: dict[str, Any], out_dir: Path) -> list[str]:
 # writing
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_results(doc: dict[str, Any], out_dir: Path) -> Path:
     """``results.json`` (the full document, plans included when kept)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)  # checked up front (checks.check_output_dir): its parent exists
     path = out_dir / "results.json"
-    _write_atomic(path, json.dumps(json_safe(doc), indent=1) + "\n")
+    write_text_atomic(path, json.dumps(json_safe(doc), indent=1) + "\n")
     return path
 
 
 def write_outputs(doc: dict[str, Any], out_dir: Path) -> dict[str, str]:
     """results.json, report.md, figures/*.png, plans/<scenario>/<method>-<protocol>.json."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)
     for sc in doc["scenarios"]:
         for key, plan in (sc.get("plans") or {}).items():
             method, protocol = key.split("/")
             d = out_dir / "plans" / _slug(sc["name"])
             d.mkdir(parents=True, exist_ok=True)
-            _write_atomic(d / f"{_slug(method)}-{protocol}.json", json.dumps(plan, indent=1) + "\n")
+            write_text_atomic(d / f"{_slug(method)}-{protocol}.json", json.dumps(plan, indent=1) + "\n")
     slim = {**doc, "scenarios": [{k: v for k, v in sc.items() if k != "plans"} for sc in doc["scenarios"]]}
     results = write_results(slim, out_dir)
     figures = plot_figures(slim, out_dir)
     report = out_dir / "report.md"
-    _write_atomic(report, render_report(slim, figures))
+    write_text_atomic(report, render_report(slim, figures))
     return {"results": str(results), "report": str(report), "figures": str(out_dir / "figures")}
 
 
