@@ -19,7 +19,7 @@ from lorapack.twin.early import (
     starvation_likely,
     starved_trend,
 )
-from lorapack.twin.engine import A_STATUS, A_T_SENT, WAITING, Engine, simulate_fast
+from lorapack.twin.engine import WAITING, Engine, simulate_fast
 from lorapack.twin.run import ServerFlags, engine_config, resolve_server
 from lorapack.twin.types import EngineResult, RequestArrays
 from lorapack.workload import generate_requests
@@ -93,14 +93,14 @@ def test_oldest_wait_is_the_age_of_the_oldest_waiting_request() -> None:
     for t in np.arange(20.0, 600.0, 20.0):
         eng.advance_to(float(t))
         snap = eng.snapshot()
-        status, t_sent = eng.arrays[A_STATUS], eng.arrays[A_T_SENT]
+        status, t_sent = eng.state.requests.status, eng.state.requests.t_sent_s
         waiting = status == WAITING
         if not waiting.any():
             assert snap["oldest_wait_s"] == 0.0
             continue
         assert snap["oldest_wait_s"] == pytest.approx(eng.t_s - t_sent[waiting].min())
         # with preemption victims waiting, the oldest waiter is not the latest victim
-        victims = waiting & (eng.arrays[6] > 0)  # n_preempted
+        victims = waiting & (eng.state.requests.n_preempted > 0)
         if victims.any() and (waiting & ~victims).any():
             checked_victims += 1
             assert snap["oldest_wait_s"] >= eng.t_s - t_sent[waiting & ~victims].min()
