@@ -207,6 +207,8 @@ def _step_model(p: CaseParams, rng: np.random.Generator) -> StepModel:
     u = rng.uniform
     if _HAS_E1P and rng.random() < 0.5:
         extra["e1p_ms_per_prefill_token"] = u(0.0, 0.1)
+    if rng.random() < 0.5:  # per-token terms with their own rank factor
+        extra["rank_scale_token"] = u(0.5, 2.0)
     return StepModel(**extra,
         c0_ms=u(3.0, 40.0),
         c1_ms_per_req=u(0.0, 1.5),
@@ -404,6 +406,16 @@ def compare_results(case: Case, ref: EngineResult, other: EngineResult, rtol: fl
     for name in ("busy_s", "sched_s", "load_s"):
         if not _rel_close(np.array([getattr(ref, name)]), np.array([getattr(other, name)]), rtol)[0]:
             problems.append(f"{name}: ref={getattr(ref, name)!r} other={getattr(other, name)!r}")
+    if ref.gap_hist is not None and other.gap_hist is not None:
+        # every inter-token gap in the same bin (event times agree, so the gaps do)
+        diff = np.flatnonzero(np.asarray(ref.gap_hist) != np.asarray(other.gap_hist))
+        if len(diff):
+            k = int(diff[0])
+            problems.append(f"gap_hist: {len(diff)} bins differ; first bin {k}: ref={int(ref.gap_hist[k])} "
+                            f"other={int(other.gap_hist[k])} (totals {int(ref.gap_hist.sum())} / "
+                            f"{int(other.gap_hist.sum())})")
+    elif (ref.gap_hist is None) != (other.gap_hist is None):
+        problems.append("gap_hist: kept by one engine only")
     for col, a in ref.timeline.items():
         if col not in other.timeline:
             problems.append(f"timeline column {col} missing")

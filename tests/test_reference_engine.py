@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from lorapack.twin import steptime
 from lorapack.twin.reference import FINISHED, run_reference, simulate_reference
 from lorapack.twin.steptime import StepModel
 from lorapack.twin.types import TIMELINE_COLUMNS, EngineConfig, RequestArrays
@@ -78,6 +79,23 @@ def test_single_request_exact_step_times_additive():
     assert res.load_s == 0.0 and res.n_gpu_loads == 0 and res.n_disk_loads == 0  # warm: adapter 0 resident
     assert [(s.b, s.b_dec, s.n_pf, s.n_tok, s.ctx, s.n_lora) for s in tr.steps] == [
         (1, 0, 40, 40, 0, 1), (1, 1, 0, 1, 40, 1), (1, 1, 0, 1, 41, 1), (1, 1, 0, 1, 42, 1)]
+
+
+def test_rank_factors_apply_per_token_and_per_adapter():
+    """rank_scale_token multiplies e1/e1p (per token), rank_scale e2/e3 (per adapter)."""
+    sm = StepModel(c0_ms=10.0, c1_ms_per_req=0.0, lora_form="additive", e0_ms=1.0, e1_ms_per_token=0.04,
+                   e1p_ms_per_prefill_token=0.02, e2_ms_per_adapter=0.5, e3_ms_per_kreq_adapter=10.0,
+                   rank_scale=3.0, rank_scale_token=0.5)
+    compute_ms = steptime.compute_ms
+
+    coef = sm.to_array()
+    # 2 decode tokens + 30 prefill tokens, 3 requests, 2 adapters
+    want = 10.0 + 1.0 + 0.5 * (0.04 * 2 + 0.02 * 30) + 3.0 * (0.5 * 2 + 10.0 * 3 * 2 / 1000)
+    assert compute_ms(coef, 3, 30, 32, 0.0, 2) == pytest.approx(want, rel=1e-12)
+    # without a token factor both terms take rank_scale (older profiles: one gamma)
+    one = StepModel(c0_ms=10.0, c1_ms_per_req=0.0, lora_form="additive", e1_ms_per_token=0.04,
+                    e2_ms_per_adapter=0.5, rank_scale=3.0).to_array()
+    assert compute_ms(one, 1, 0, 1, 0.0, 1) == pytest.approx(10.0 + 3.0 * (0.04 + 0.5), rel=1e-12)
 
 
 @pytest.mark.parametrize("form", ["multiplicative", "none"])

@@ -21,5 +21,10 @@ class ProfileError(LorapackError):
     """A profile is missing, malformed or does not cover the request."""
 
 
+class LorapackWarning(UserWarning):
+    """A result that stands but deserves a word (an extrapolation, requests vLLM would reject); the CLI
+    prints it as one ``warning:`` line on stderr."""
+
+
 class DataError(LorapackError):
     """An input data file (profiling CSV, runs CSV, trace) is missing or malformed."""

@@ -48,7 +48,13 @@ class StepTimeModel(_Frozen):
     """Forward-pass time of one step (twin.md §3.1; formula in ``twin.steptime.compute_ms``).
 
     ``base = c0 + c1*B + p1*n_pf + a3*ctx/1000``; additive LoRA part, when the batch uses adapters:
-    ``e0 + (S/8)**gamma * ((e1 + e4*A/1000)*B_dec + (e1p + e4*A/1000)*n_pf + e2*L + e3*B*L/1000)``.
+    ``e0 + (S/8)**gamma_token * ((e1 + e4*A/1000)*B_dec + (e1p + e4*A/1000)*n_pf)
+    + (S/8)**gamma_adapter * (e2*L + e3*B*L/1000)``.
+
+    The slot rank S (``--max-lora-rank``, every slot is sized for it) enters twice: per token the LoRA
+    kernels move activations (little S dependence at large batches), per distinct adapter they read its
+    weights (grows with S). ``gamma`` is the single exponent of older profiles: it applies to any of the two
+    that is None.
     """
 
     c0_ms: float
@@ -60,11 +66,19 @@ class StepTimeModel(_Frozen):
     e1_ms_per_token: float = 0.0  # per decode token
     e2_ms_per_adapter: float = 0.0
     e3_ms_per_kreq_adapter: float = 0.0
-    gamma: float = 0.0  # LoRA cost scales with (S/8)**gamma
+    gamma: float = 0.0  # older profiles: one exponent for every LoRA term
+    gamma_token: float | None = None  # per-token LoRA terms scale with (S/8)**gamma_token; None = gamma
+    gamma_adapter: float | None = None  # per-adapter LoRA terms scale with (S/8)**gamma_adapter; None = gamma
     k0_pct: float = 100.0
     k1_pct_per_adapter: float = 0.0
     e1p_ms_per_prefill_token: float | None = None  # per prefill token; None = e1_ms_per_token
     e4_ms_per_ktok_slot: float = 0.0  # per token and 1000 GPU slots (A): kernel grid over all slots
+
+
+    def rank_exponents(self) -> tuple[float, float]:
+        """``(gamma_token, gamma_adapter)`` with ``gamma`` standing in for a missing one."""
+        return (self.gamma if self.gamma_token is None else self.gamma_token,
+                self.gamma if self.gamma_adapter is None else self.gamma_adapter)
 
 
 class SchedulerModel(_Frozen):
@@ -102,6 +116,15 @@ class RunsLengths(_Frozen):
     cv: float = Field(gt=0)
 
 
+class FrontendModel(_Frozen):
+    """What a request spends outside the engine (vLLM's API server and the streaming client): added to every
+    TTFT; inter-token gaps are unchanged (every token takes the same path). Fitted by the calibration's
+    refinement on the runs whose real mean TTFT is below one second (no queueing: the engine's part is
+    known), as the median of real minus twin TTFT."""
+
+    ttft_overhead_ms: float = Field(default=0.0, ge=0)
+
+
 class Priors(_Frozen):
     """The closed-form fits of the profiling data (twin.md §3.5 step 1), kept beside the refined values.
 
@@ -127,6 +150,7 @@ class Profile(_Frozen):
     loading: LoadingModel
     priors: Priors | None = None  # closed-form fits before refinement (None: the sections above are the fits)
     runs_lengths: RunsLengths | None = None  # fitted length law for rebuilding real runs (None: spec default)
+    frontend: FrontendModel | None = None  # None: no time outside the engine
     provenance: dict = Field(default_factory=dict)
 
     # ---- memory and the start-up rule (twin.md §3.4) ----
@@ -189,6 +213,12 @@ class Profile(_Frozen):
         """Disk -> CPU load time, linear in rank between table points (clamped outside)."""
         pts = sorted(self.loading.disk, key=lambda p: p.rank)
         return float(np.interp(rank, [p.rank for p in pts], [p.ms for p in pts]))
+
+    def calibrated_ranks(self) -> tuple[int, int]:
+        """The smallest and largest (adapter and slot) rank the profile's data covers (the activation table:
+        8-32 for the shipped profiles); outside it the twin extrapolates."""
+        ranks = [p.rank for p in self.loading.activation] + [p.max_lora_rank for p in self.loading.activation]
+        return (min(ranks), max(ranks)) if ranks else (8, 32)
 
     def file_hash(self) -> str:
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]

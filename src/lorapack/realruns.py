@@ -254,6 +254,9 @@ class RunPrediction:
     ttft_mean_ms: float = NAN
     throughput_ratio: float = NAN
     starved: bool | None = None
+    ttft_median_ms: float = NAN
+    ttft_p99_ms: float = NAN
+    itl_p99_ms: float = NAN
     running_reqs_mean: float = NAN
     waiting_reqs_max: float = NAN
     n_preemptions: float = NAN  # mean over seeds
@@ -269,6 +272,8 @@ class RunPrediction:
             itl_mean_ms=_mean([r.itl_mean_ms for r in runs]), ttft_mean_ms=_mean([r.ttft_mean_ms for r in runs]),
             throughput_ratio=_mean([r.throughput_ratio for r in runs]),
             starved=bool(np.mean([bool(r.starved) for r in runs]) >= 0.5),
+            ttft_median_ms=_mean([r.ttft_median_ms for r in runs]), ttft_p99_ms=_mean([r.ttft_p99_ms for r in runs]),
+            itl_p99_ms=_mean([r.itl_p99_ms for r in runs]),
             running_reqs_mean=_mean([r.running_reqs_mean for r in runs]),
             waiting_reqs_max=_mean([r.waiting_reqs_max for r in runs]),
             n_preemptions=_mean([r.n_preemptions for r in runs]),
@@ -315,6 +320,9 @@ class RunComparison:
     measured_starved: bool | None
     measured_running_mean: float | None
     prediction: RunPrediction
+    measured_ttft_median_ms: float | None = None
+    measured_ttft_p99_ms: float | None = None
+    measured_itl_p99_ms: float | None = None
 
     @classmethod
     def of(cls, row: dict, pred: RunPrediction) -> RunComparison:
@@ -327,7 +335,9 @@ class RunComparison:
                    measured_itl_ms=row_float(row, "itl_mean_ms"), measured_ttft_ms=row_float(row, "ttft_mean_ms"),
                    measured_throughput_ratio=row_float(row, "throughput_ratio"),
                    measured_starved=None if starved is None else bool(starved),
-                   measured_running_mean=row_float(row, "running_mean"), prediction=pred)
+                   measured_running_mean=row_float(row, "running_mean"), prediction=pred,
+                   measured_ttft_median_ms=row_float(row, "ttft_median_ms"),
+                   measured_ttft_p99_ms=row_float(row, "ttft_p99_ms"), measured_itl_p99_ms=row_float(row, "itl_p99_ms"))
 
     @property
     def scored(self) -> bool:
@@ -365,12 +375,26 @@ class RunComparison:
     def predicted_running_mean(self) -> float:
         return self._predicted(self.prediction.running_reqs_mean)
 
+    @property
+    def predicted_ttft_median_ms(self) -> float:
+        return self._predicted(self.prediction.ttft_median_ms)
+
+    @property
+    def predicted_ttft_p99_ms(self) -> float:
+        return self._predicted(self.prediction.ttft_p99_ms)
+
+    @property
+    def predicted_itl_p99_ms(self) -> float:
+        return self._predicted(self.prediction.itl_p99_ms)
+
 
 # columns of ``lorapack validate --out`` (a contract) and of the calibration's per-run table
 VALIDATE_COLUMNS = ("run_id", "model", "status", "measured_oom", "predicted_oom", "measured_throughput_tok_s",
                     "predicted_throughput_tok_s", "measured_itl_ms", "predicted_itl_ms", "measured_ttft_ms",
                     "predicted_ttft_ms", "measured_starved", "predicted_starved", "measured_throughput_ratio",
-                    "predicted_throughput_ratio")
+                    "predicted_throughput_ratio", "group", "max_loras", "n_adapters", "max_lora_rank",
+                    "measured_ttft_median_ms", "predicted_ttft_median_ms", "measured_ttft_p99_ms",
+                    "predicted_ttft_p99_ms", "measured_itl_p99_ms", "predicted_itl_p99_ms")
 
 
 def compare_runs(rows: Sequence[dict], preds: Sequence[RunPrediction]) -> list[RunComparison]:
@@ -388,6 +412,51 @@ def smape(y: np.ndarray, yhat: np.ndarray, factor: float = 1.0) -> float:
     if not ok.any():
         return NAN
     return float(100.0 * np.mean(factor * np.abs(y[ok] - yhat[ok]) / (np.abs(y[ok]) + np.abs(yhat[ok]))))
+
+
+def signed_bias_pct(y: np.ndarray, yhat: np.ndarray, how: str = "mean") -> float:
+    """Mean (or median) of ``100 * (yhat - y) / y`` over the pairs both sides have: > 0 = the prediction is
+    high (for throughput: optimistic)."""
+    y, yhat = np.asarray(y, float), np.asarray(yhat, float)
+    ok = np.isfinite(y) & np.isfinite(yhat) & (y > 0)
+    if not ok.any():
+        return NAN
+    e = 100.0 * (yhat[ok] - y[ok]) / y[ok]
+    return float(np.median(e) if how == "median" else np.mean(e))
+
+
+# TTFT regimes (real mean TTFT) and objectives (seconds) the scores are broken down by: placement makes a mean
+# TTFT objective part of feasibility, so what matters is the short-TTFT end, where queueing is not dominant
+TTFT_REGIMES_MS = (("lt_1s", 0.0, 1000.0), ("1_30s", 1000.0, 30000.0), ("gt_30s", 30000.0, math.inf))
+TTFT_OBJECTIVES_S = (1, 2, 5, 10)
+
+
+def ttft_regime_scores(y: np.ndarray, yhat: np.ndarray) -> dict[str, dict[str, float]]:
+    """Per regime of the real mean TTFT: runs, SMAPE, median and mean signed error (% of real)."""
+    out = {}
+    for name, lo, hi in TTFT_REGIMES_MS:
+        sel = np.isfinite(y) & np.isfinite(yhat) & (y >= lo) & (y < hi)
+        out[name] = {"n": int(sel.sum()), "smape_ttft": smape(y[sel], yhat[sel]),
+                     "bias_median_pct": signed_bias_pct(y[sel], yhat[sel], "median"),
+                     "bias_mean_pct": signed_bias_pct(y[sel], yhat[sel])}
+    return out
+
+
+def ttft_objective_agreement(y_ms: np.ndarray, yhat_ms: np.ndarray) -> dict[str, dict[str, float]]:
+    """For each objective T: does the prediction agree on "mean TTFT <= T"? ``optimistic`` counts the runs
+    the prediction says meet T while the real run does not (the misses that would make placement pack a GPU
+    that fails its objective), ``pessimistic`` the reverse."""
+    sel = np.isfinite(y_ms) & np.isfinite(yhat_ms)
+    y, yhat = y_ms[sel], yhat_ms[sel]
+    out = {}
+    for t in TTFT_OBJECTIVES_S:
+        real_ok, pred_ok = y <= t * 1000.0, yhat <= t * 1000.0
+        n = int(sel.sum())
+        opt = int((pred_ok & ~real_ok).sum())
+        out[str(t)] = {"n": n, "agreement": float(np.mean(real_ok == pred_ok)) if n else NAN,
+                       "optimistic": opt, "pessimistic": int((~pred_ok & real_ok).sum()),
+                       "optimistic_share": opt / n if n else NAN}
+    return out
 
 
 def _confusion_dict(c: dict[str, int]) -> dict[str, int]:
@@ -424,6 +493,15 @@ def score_runs(rows: Sequence[dict], preds: Sequence[RunPrediction]) -> dict:
         y, yhat = arr(f"measured_{name}_{unit}"), arr(f"predicted_{name}_{unit}")
         out[f"smape_{name}"] = smape(y, yhat)
         out[f"smape_{name}_2x"] = smape(y, yhat, 2)
+        out[f"bias_{name}_pct"] = signed_bias_pct(y, yhat)
+    for name in ("ttft_median_ms", "ttft_p99_ms", "itl_p99_ms"):  # distribution shape, where the runs have it
+        y, yhat = arr(f"measured_{name}"), arr(f"predicted_{name}")
+        key = name.removesuffix("_ms")
+        out[f"smape_{key}"] = smape(y, yhat)
+        out[f"bias_{key}_pct"] = signed_bias_pct(y, yhat)
+    y_ttft, yhat_ttft = arr("measured_ttft_ms"), arr("predicted_ttft_ms")
+    out["ttft_regimes"] = ttft_regime_scores(y_ttft, yhat_ttft)
+    out["ttft_objective_agreement"] = ttft_objective_agreement(y_ttft, yhat_ttft)
     oom_agree = [c.measured_oom == c.predicted_oom for c in cmp]
     out.update(starved_agreement=agree(conf), starved_agreement_clear=agree(conf_clear),
                n_labelled=sum(conf.values()), n_clear=sum(conf_clear.values()),
@@ -431,4 +509,40 @@ def score_runs(rows: Sequence[dict], preds: Sequence[RunPrediction]) -> dict:
                oom_agreement=float(np.mean(oom_agree)) if oom_agree else NAN,
                oom_false_accept=sum(c.measured_oom and not c.predicted_oom for c in cmp),
                oom_false_reject=sum(c.predicted_oom and not c.measured_oom for c in cmp))
+    return out
+
+
+BREAKDOWN_KEYS = ("n_scored", "smape_throughput", "smape_itl", "smape_ttft", "bias_throughput_pct", "bias_itl_pct",
+                  "bias_ttft_pct", "starved_agreement")
+
+
+def breakdown(rows: Sequence[dict], preds: Sequence[RunPrediction], key: str = "group") -> dict[str, dict]:
+    """``score_runs``' main scores per run group (``group``: the rank x load group of the run id) or per
+    ``--max-lora-rank`` (``max_lora_rank``), in sorted order of the key."""
+    def of(row: dict) -> str:
+        if key == "group":
+            return run_group(row.get("run_id") or "")
+        v = row_float(row, key)
+        return str(int(v)) if v is not None and math.isfinite(v) else ""
+
+    keys = sorted({of(r) for r in rows}, key=lambda k: (len(k), k))
+    out = {}
+    for k in keys:
+        sel = [i for i, r in enumerate(rows) if of(r) == k]
+        s = score_runs([rows[i] for i in sel], [preds[i] for i in sel])
+        out[k] = {name: s[name] for name in BREAKDOWN_KEYS}
+    return out
+
+
+# The fidelity guard (tests/test_fidelity_guard.py): a fixed, cheap subset of the runs whose scores the
+# calibration records next to the full validation, so CI can re-score the subset in seconds.
+GUARD_STRIDE = 4
+
+
+def guard_subset(rows: Sequence[dict]) -> list[dict]:
+    """Every ``GUARD_STRIDE``-th run of each model, in run-id order (oom rows included: the start-up rule)."""
+    out = []
+    for m in sorted({(r.get("model") or "").strip() for r in rows}):
+        mine = sorted((r for r in rows if (r.get("model") or "").strip() == m), key=lambda r: r.get("run_id") or "")
+        out.extend(mine[::GUARD_STRIDE])
     return out

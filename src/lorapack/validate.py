@@ -19,6 +19,7 @@ from .profile import Profile
 from .realruns import (
     VALIDATE_COLUMNS,
     RunPrediction,
+    breakdown,
     build_workload,
     check_row,
     compare_runs,
@@ -216,6 +217,9 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
     for m, st in summary.items():
         sel = [i for i in done if rows[i]["model"] == m]
         st.update(score_runs([rows[i] for i in sel], [preds[i] for i in sel]))
+        # signed errors by rank x load group and by slot rank (a bias hides in a good overall SMAPE)
+        st["by_group"] = breakdown([rows[i] for i in sel], [preds[i] for i in sel], "group")
+        st["by_max_lora_rank"] = breakdown([rows[i] for i in sel], [preds[i] for i in sel], "max_lora_rank")
         if "starvation_confusion" in st:
             st["starved_f1"] = macro_f1(st["starvation_confusion"])
         if engine != "twin":

@@ -2,7 +2,9 @@
 
 1. closed-form priors from the profiling directory (``priors.fit_priors_from``, twin.md §3.5 step 1);
 2. with ``--runs``: simulation-based refinement of the free step-time constants (``refine.refine``), in two
-   stages (every third run, then all runs), and a final validation on all runs (``realruns.score_runs``);
+   stages (every third run, then all runs), each run to convergence under a shared wall-time cap; then the
+   API server's TTFT overhead (``profile.frontend``) from the runs without queueing, and a final validation
+   on all runs (``realruns.score_runs``);
 3. the profile YAML (priors section + refined values + provenance), written atomically, and optionally the
    fit-report plots (``report.write_report``).
 
@@ -20,8 +22,16 @@ from typing import Any
 from .. import __version__
 from ..checks import check_output_dir, check_output_file
 from ..errors import DataError
-from ..profile import Priors, Profile, save_profile
-from ..realruns import RunComparison, compare_runs, run_group, score_runs
+from ..profile import FrontendModel, Priors, Profile, save_profile
+from ..realruns import (
+    GUARD_STRIDE,
+    RunComparison,
+    breakdown,
+    compare_runs,
+    guard_subset,
+    run_group,
+    score_runs,
+)
 from .priors import fit_priors_from, lora_overhead_points, plain_scalars
 from .refine import (
     DEFAULT_FREE,
@@ -38,7 +48,9 @@ RUNS_OPTIONAL = ("ttft_mean_ms", "throughput_ratio", "starved")
 MIN_OK_RUNS = 3
 # the refinement's two stages: a search on every SUBSET_STRIDE-th run, then a polish on all runs
 SUBSET_STRIDE = 3
-DEFAULT_MAX_EVALS = (12, 3)  # least-squares evaluations of the two stages (each adds a Jacobian)
+DEFAULT_MAX_EVALS = (40, 20)  # least-squares evaluations of the two stages (each adds a Jacobian)
+DEFAULT_MAX_WALL_S = 900.0  # per model, both stages: a tolerance normally ends the fit well before
+FRONTEND_MAX_TTFT_MS = 1000.0  # runs whose real mean TTFT is below this one fit the TTFT overhead
 
 
 def default_profile_name(model: str, gpu: str, vllm_version: str) -> str:
@@ -82,29 +94,57 @@ def _stage_rows(rows: list[dict], stride: int) -> list[dict]:
 
 def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] = (), seeds: Sequence[int] = (0,),
                    lengths: str = "lognormal", free: Sequence[str] = DEFAULT_FREE,
-                   max_evals: tuple[int, int] = DEFAULT_MAX_EVALS, workers: int = 0,
+                   max_evals: tuple[int, int] = DEFAULT_MAX_EVALS, max_wall_s: float = DEFAULT_MAX_WALL_S,
+                   workers: int = 0, start: Profile | None = None,
                    log: Callable[[str], None] | None = None) -> tuple[Profile, dict]:
-    """Refine ``prior``'s step-time constants against ``rows`` (one model); returns (profile, provenance)."""
+    """Refine ``prior``'s step-time constants against ``rows`` (one model); returns (profile, provenance).
+
+    Stage 1 searches on every third run, stage 2 polishes on all runs; each stops at a tolerance, its
+    evaluation budget (``max_evals``) or the wall-time cap (``max_wall_s`` for both stages together). The
+    provenance says, per stage, how it ended; ``refined`` is False when no constant moved (e.g. a zero
+    budget), and the log says so. ``start``: where the search begins (default: the priors)."""
+    import time
+
     model = prior.model
     stages = []
-    prof = prior
+    prof = start if start is not None else prior
+    t0 = time.perf_counter()
+    moved = False
     for stage, (stride, nfev) in enumerate(((SUBSET_STRIDE, max_evals[0]), (1, max_evals[1])), start=1):
         if nfev <= 0:
             continue
+        left = max_wall_s - (time.perf_counter() - t0)
+        if left <= 0:
+            if log:
+                log(f"{model}: refinement stage {stage} skipped: the wall-time cap of {max_wall_s:.0f} s is spent")
+            continue
+        cap = left / 2 if stage == 1 and max_evals[1] > 0 else left  # stage 1 leaves half for the polish
         sub = _stage_rows(rows, stride)
         if log:
-            log(f"{model}: refinement stage {stage}: {len(sub)} runs, up to {nfev} least-squares evaluations")
+            log(f"{model}: refinement stage {stage}: {len(sub)} runs, up to {nfev} least-squares evaluations "
+                f"or {cap / 60:.1f} min")
         with Evaluator(sub, seeds=seeds, lengths=lengths, workers=workers) as ev:
             res = refine({model: prof}, {model: prior}, sub, ev, free=free, anchors={model: anchors},
-                         max_nfev=nfev, log=log)[model]
+                         max_nfev=nfev, max_wall_s=cap, log=log)[model]
         stages.append({"runs": len(sub), "stride": stride, "max_evaluations": nfev, "evaluations": res.n_evals,
+                       "iterations": res.iterations, "converged": res.converged, "wall_s": res.wall_s,
                        "cost_start": res.cost_start, "cost_end": res.cost_end, "status": res.status,
                        "values": res.values})
+        if log:
+            log(f"{model}: stage {stage} {'converged' if res.converged else 'did NOT converge'} after "
+                f"{res.iterations} iterations ({res.wall_s:.0f} s): {res.status}")
+        moved = moved or res.moved
         prof = with_values(prof, res.values)
+    if not moved and log:
+        log(f"warning: {model}: the refinement changed no constant (budget {max_evals}, cap {max_wall_s:.0f} s): "
+            f"the profile keeps its starting values")
     prov = {
         "method": "scipy least_squares (trf, soft_l1, forward-difference Jacobian) of the log errors of throughput "
                   "and ITL over the runs (a 5% error = 1 unit), priors as Gaussian regularisation "
-                  f"(residual (value - prior)/sd); stage 1 on every {SUBSET_STRIDE}rd run, stage 2 on all runs",
+                  f"(residual (value - prior)/sd); stage 1 on every {SUBSET_STRIDE}rd run, stage 2 on all runs; "
+                  f"each to convergence (ftol/xtol 1e-3) within {max_wall_s:.0f} s for both",
+        "refined": moved,
+        "converged": bool(stages) and all(s["converged"] for s in stages),
         "free": {n: {"field": FREE_PARAMS[n].field, "unit": FREE_PARAMS[n].unit, "prior_sd": FREE_PARAMS[n].sd,
                      "prior": param_value(n, prior), "refined": param_value(n, prof)} for n in free},
         "anchors": f"{len(anchors)} LoRA overhead runs of the profiling data (decode-only steps, measured "
@@ -126,15 +166,37 @@ def validate_profile(prof: Profile, rows: list[dict], *, seeds: Sequence[int] = 
         sel = [i for i, r in enumerate(rows) if run_group(r["run_id"]) == g]
         by_group[g] = score_runs([rows[i] for i in sel], [preds[i] for i in sel])
     scores["by_group"] = by_group
+    scores["by_max_lora_rank"] = breakdown(rows, preds, "max_lora_rank")
     return scores, table
+
+
+def fit_frontend(table: Sequence[RunComparison], max_ttft_ms: float = FRONTEND_MAX_TTFT_MS) -> tuple[FrontendModel, dict]:
+    """The API server's share of TTFT: the median of real minus twin mean TTFT over the runs without
+    queueing (real mean TTFT below ``max_ttft_ms``), where the engine's part is what the twin simulates.
+    ``table`` must come from a profile without a frontend overhead."""
+    import numpy as np
+
+    d = [c.measured_ttft_ms - c.predicted_ttft_ms for c in table
+         if c.scored and c.measured_ttft_ms is not None and c.measured_ttft_ms < max_ttft_ms
+         and np.isfinite(c.predicted_ttft_ms)]
+    value = max(0.0, float(np.median(d))) if d else 0.0
+    return FrontendModel(ttft_overhead_ms=value), {
+        "method": f"median of (real - twin) mean TTFT over the runs with real mean TTFT < {max_ttft_ms:.0f} ms "
+                  "(no queueing: the rest is the engine's, which the twin simulates)",
+        "n_points": len(d), "ttft_overhead_ms": value,
+        "iqr_ms": [float(np.percentile(d, 25)), float(np.percentile(d, 75))] if d else None}
 
 
 def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_version: str = "0.8.5",
               runs: str | Path | None = None, out: str | Path | None = None, report: str | Path | None = None,
               seeds: int = 1, lengths: str = "lognormal", workers: int = 0,
               max_evals: tuple[int, int] = DEFAULT_MAX_EVALS, free: Sequence[str] = DEFAULT_FREE,
-              max_model_len: int | None = None, log: Callable[[str], None] | None = None) -> dict:
-    """The whole ``lorapack calibrate`` procedure; returns a summary (also recorded in the profile)."""
+              max_model_len: int | None = None, max_wall_s: float = DEFAULT_MAX_WALL_S,
+              start: Profile | None = None, log: Callable[[str], None] | None = None) -> dict:
+    """The whole ``lorapack calibrate`` procedure; returns a summary (also recorded in the profile).
+
+    ``start``: a profile whose step-time constants (the free ones) start the refinement instead of the priors,
+    e.g. the shipped profile when re-fitting after a change of the model; the priors stay the regularisation."""
     profiling = Path(profiling)
     if seeds < 1:
         raise DataError(f"--seeds {seeds}: expected an integer >= 1")
@@ -165,19 +227,38 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
     if rows is not None:
         seed_list = list(range(seeds))
         anchors = lora_overhead_points(profiling, model)
+        begin = None
+        if start is not None:
+            begin = with_values(prior, {n: param_value(n, start) for n in free})
         prof, p_ref = refine_profile(prior, rows, anchors=anchors, seeds=seed_list, lengths=lengths, free=free,
-                                     max_evals=max_evals, workers=workers, log=log)
+                                     max_evals=max_evals, max_wall_s=max_wall_s, workers=workers, start=begin,
+                                     log=log)
         if log:
             log(f"{model}: validating on {len(rows)} runs (priors only, then refined)")
         s_prior, table_prior = validate_profile(prior, rows, seeds=seed_list, lengths=lengths, workers=workers)
+        _s, table_engine = validate_profile(prof, rows, seeds=seed_list, lengths=lengths, workers=workers)
+        frontend, p_front = fit_frontend(table_engine)
+        p_ref["frontend"] = p_front
+        if log:
+            log(f"{model}: API server TTFT overhead {frontend.ttft_overhead_ms:.2f} ms (from {p_front['n_points']} "
+                f"runs without queueing)")
+        prof = prof.model_copy(update={"frontend": frontend})
         s_ref, table = validate_profile(prof, rows, seeds=seed_list, lengths=lengths, workers=workers)
         prov["stage"] = "priors (twin.md section 3.5 step 1) + simulation-based refinement (step 2)"
         prov["refinement"] = p_ref
+        guard_ids = {r["run_id"] for r in guard_subset(rows)}
+        guard = [c for c in table if c.run_id in guard_ids]
+        s_guard = score_runs([r for r in rows if r["run_id"] in guard_ids], [c.prediction for c in guard])
         prov["validation"] = plain_scalars({"runs": Path(runs).name, "runs_sha256": _sha256(Path(runs)),
                                       "seeds": seeds, "lengths": lengths,
                                       "scores_note": "SMAPE without the factor 2 (paper convention); *_2x with it; "
-                                                     "TTFT = completed-only mean; agreement = share of labels",
-                                      "priors": s_prior, "refined": s_ref})
+                                                     "TTFT = completed-only mean; agreement = share of labels; "
+                                                     "bias = mean signed error, twin - real, % of real",
+                                      "priors": s_prior, "refined": s_ref,
+                                      "guard": {"stride": GUARD_STRIDE, "n_runs": len(guard),
+                                                "what": "every stride-th run in run-id order (realruns.guard_subset): "
+                                                        "re-scored by the fidelity guard test",
+                                                "scores": s_guard}})
         summary["refinement"] = p_ref
         summary["validation"] = prov["validation"]
     final = prof.model_copy(update={"priors": Priors(steptime=prior.steptime), "provenance": plain_scalars(prov)})

@@ -50,11 +50,13 @@ FREE_PARAMS: dict[str, FreeParam] = {p.name: p for p in (
     FreeParam("e4", "e4_ms_per_ktok_slot", 0.2, 0.0, 5.0, "ms per 1000 token-slots (n_tok*A)"),
     FreeParam("a3", "a3_ms_per_kctx", 0.05, 0.0, 1.0, "ms per 1000 context tokens"),
     FreeParam("p1", "p1_ms_per_prefill_token", 0.005, 0.0, 0.2, "ms/prefill token"),
-    FreeParam("gamma", "gamma", 0.5, -2.0, 3.0, "exponent of (S/8)"),
+    FreeParam("gamma", "gamma", 0.5, -2.0, 3.0, "exponent of (S/8) of every LoRA term (older profiles)"),
+    FreeParam("gamma_token", "gamma_token", 0.5, -1.0, 3.0, "exponent of (S/8) of the per-token LoRA terms"),
+    FreeParam("gamma_adapter", "gamma_adapter", 0.5, -1.0, 3.0, "exponent of (S/8) of the per-adapter LoRA terms"),
     FreeParam("cv", "runs_lengths.cv", 0.3, 0.4, 1.6, "post-filter CV of the log-normal lengths of the runs"),
     # (a CV the log-normal law cannot reach for a run's pool means is clamped per run, see feasible_cv)
 )}
-DEFAULT_FREE = ("e0", "e1", "e1p", "e2", "e3", "e4", "gamma", "cv")
+DEFAULT_FREE = ("e0", "e1", "e1p", "e2", "e3", "e4", "gamma_token", "gamma_adapter", "cv")
 CV_FIELD = "runs_lengths.cv"
 DEFAULT_CV = 1.1  # the spec default (twin.md §5): the prior of the fitted CV
 
@@ -70,6 +72,8 @@ def param_value(name: str, profile: Profile) -> float:
     v = getattr(profile.steptime, p.field)
     if v is None and name == "e1p":
         v = profile.steptime.e1_ms_per_token
+    if v is None and name in ("gamma_token", "gamma_adapter"):  # older profiles: one exponent
+        v = profile.steptime.gamma
     return float(v)
 
 
@@ -184,10 +188,21 @@ class RefineResult:
     priors: dict[str, float]
     cost_start: float
     cost_end: float
-    n_evals: int
+    n_evals: int  # candidate profiles simulated (residual evaluations + Jacobian columns)
     wall_s: float
     status: str
     history: list[dict] = field(default_factory=list)
+    iterations: int = 0  # Jacobians evaluated (trust-region iterations)
+    converged: bool = False  # a tolerance (ftol / xtol / gtol) ended the fit, not a budget
+
+    @property
+    def moved(self) -> bool:
+        """Did the fit change any constant (False: the refined values are the starting values)?"""
+        return any(abs(self.values[k] - self.start[k]) > 1e-12 * max(1.0, abs(self.start[k])) for k in self.values)
+
+
+class _OutOfTime(Exception):
+    """The refinement's wall-time cap was reached (the best point so far is kept)."""
 
 
 def lora_anchor_residuals(profile: Profile, anchors: Sequence[dict]) -> np.ndarray:
@@ -215,7 +230,8 @@ def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Seque
            evaluator: Callable[[dict[str, Profile]], list[RunPrediction | None]], free: Sequence[str] = DEFAULT_FREE,
            start: dict[str, dict[str, float]] | None = None, prior_weight: float = 1.0,
            itl_weight: float = 1.0, anchors: dict[str, Sequence[dict]] | None = None, anchor_weight: float = 1.0,
-           max_nfev: int = 40, diff_step: float = 0.1,
+           max_nfev: int = 40, diff_step: float = 0.1, max_wall_s: float | None = None,
+           ftol: float = 1e-3, xtol: float = 1e-3,
            log: Callable[[str], None] | None = None) -> dict[str, RefineResult]:
     """Fit the ``free`` constants of every model in ``profiles`` to ``rows`` (one independent fit per model).
 
@@ -224,6 +240,11 @@ def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Seque
     and ``(value - prior) / sd`` for every free constant, the prior being its value in ``priors[model]``.
     ``evaluator`` simulates rows for a dict of profiles (see ``Evaluator``). ``start`` (per model) overrides
     the starting point (default: the values in ``profiles``).
+
+    The fit runs until a tolerance is met (``ftol``: relative cost change; ``xtol``: relative step; scipy's
+    trust-region reflective method), ``max_nfev`` residual evaluations were spent, or ``max_wall_s`` seconds
+    passed; ``RefineResult.converged`` and ``status`` say which, ``iterations`` how many Jacobians it took.
+    Whatever ends it, each model keeps the best point seen.
     """
     from scipy.optimize import least_squares
 
@@ -278,7 +299,16 @@ def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Seque
         for kk, preds in zip(need, results, strict=True):
             cache[kk] = preds
 
+    t_start = time.perf_counter()
+    n_jac = [0]
+
+    def over_budget() -> None:
+        if max_wall_s is not None and time.perf_counter() - t_start > max_wall_s and hist:
+            raise _OutOfTime
+
     def residuals(x: np.ndarray, record: bool = True) -> np.ndarray:
+        if record:
+            over_budget()
         ensure([x])
         parts = []
         for j, m in enumerate(models):
@@ -301,6 +331,8 @@ def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Seque
         return r
 
     def jac(x: np.ndarray, *args: Any) -> np.ndarray:
+        over_budget()
+        n_jac[0] += 1
         xs = []
         for j in range(len(x)):
             h = diff_step if x[j] + diff_step <= hi[j] else -diff_step
@@ -311,10 +343,15 @@ def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Seque
         f0 = residuals(x, record=False)
         return np.column_stack([(residuals(xj, record=False) - f0) / (xj[j] - x[j]) for j, xj in enumerate(xs)])
 
-    t0 = time.perf_counter()
-    sol = least_squares(residuals, x0, jac=jac, bounds=(lo, hi), loss="soft_l1", f_scale=1.0, method="trf",
-                        max_nfev=max_nfev, x_scale=1.0, xtol=1e-3, ftol=1e-4, gtol=1e-6)
-    wall = time.perf_counter() - t0
+    try:
+        sol = least_squares(residuals, x0, jac=jac, bounds=(lo, hi), loss="soft_l1", f_scale=1.0, method="trf",
+                            max_nfev=max_nfev, x_scale=1.0, xtol=xtol, ftol=ftol, gtol=1e-8)
+        status, converged = str(sol.message), bool(sol.status > 0)
+    except _OutOfTime:
+        status, converged = f"stopped at the wall-time cap of {max_wall_s:.0f} s (best point kept)", False
+    if not converged and "wall-time" not in status:
+        status = f"stopped after {max_nfev} evaluations without meeting a tolerance: {status}"
+    wall = time.perf_counter() - t_start
     out = {}
     vals_start = unpack(x0)
     for m in models:
@@ -324,7 +361,7 @@ def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Seque
                               priors={n: float(v) for n, v in zip(free, mu[m], strict=True)},
                               cost_start=hist[0]["cost_by_model"][m], cost_end=best["cost_by_model"][m],
                               n_evals=sum(1 for kk in cache if kk[0] == m),
-                              wall_s=wall, status=str(sol.message), history=hist)
+                              wall_s=wall, status=status, history=hist, iterations=n_jac[0], converged=converged)
     return out
 
 

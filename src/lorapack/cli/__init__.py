@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Annotated
 
 import typer
 
-from ..errors import LorapackError
+from ..errors import LorapackError, LorapackWarning
 from . import (
     calibrate,
     demo,
@@ -53,8 +54,23 @@ app.command("place")(place.place)
 app.command("evaluate")(evaluate.evaluate)
 
 
+def _show_warnings() -> None:
+    """lorapack's warnings as one ``warning:`` line each on stderr (each distinct message once); others as usual."""
+    plain = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings' signature
+        if issubclass(category, LorapackWarning):
+            err_console.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
+        else:
+            plain(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    warnings.filterwarnings("once", category=LorapackWarning)
+
+
 def main() -> None:
     """Console entry point: user errors -> one line on stderr, exit code 2."""
+    _show_warnings()
     try:
         app(standalone_mode=False)
     except LorapackError as e:

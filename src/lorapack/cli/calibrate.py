@@ -31,8 +31,15 @@ def calibrate(
     seeds: Annotated[int, typer.Option(help="Seeds per run in the refinement and validation.")] = 1,
     lengths: Annotated[str, typer.Option(help="Length law used to rebuild the runs: lognormal|fixed.")
                        ] = "lognormal",
-    max_evals: Annotated[str, typer.Option("--max-evals", help="Least-squares evaluations of the two refinement "
-                                           "stages (subset, all runs), e.g. 12,3.")] = "12,3",
+    max_evals: Annotated[str, typer.Option("--max-evals", help="Most least-squares evaluations of the two "
+                                           "refinement stages (subset, all runs); each stage normally stops "
+                                           "earlier, at its tolerance.")] = "40,20",
+    max_minutes: Annotated[float, typer.Option("--max-minutes", help="Wall-time cap of the refinement (both "
+                                               "stages); the best point so far is kept and the output says the "
+                                               "fit did not converge.")] = 15.0,
+    start: Annotated[Path | None, typer.Option("--start", help="Start the refinement from this profile's "
+                                               "constants instead of the priors (the priors stay the "
+                                               "regularisation).")] = None,
     free: Annotated[str, typer.Option("--free", help="Step-time constants to refine (comma-separated).")
                     ] = ",".join(DEFAULT_FREE),
     workers: Annotated[int, typer.Option(help="Parallel processes (0 = all cores).")] = 0,
@@ -47,12 +54,28 @@ def calibrate(
         if len(evals) != 2 or min(evals) < 0:
             raise ValueError
     except ValueError:
-        raise DataError(f"--max-evals {max_evals}: expected two integers >= 0, e.g. 12,4") from None
+        raise DataError(f"--max-evals {max_evals}: expected two integers >= 0, e.g. 40,20") from None
+    import math
+
+    if not math.isfinite(max_minutes) or max_minutes <= 0:
+        raise DataError(f"--max-minutes {max_minutes}: expected a positive number of minutes")
+    start_profile = None
+    if start is not None:
+        from ..profile import load_profile_file
+
+        start_profile = load_profile_file(start)
     log = None if json_out else (lambda s: err_console.print(f"[dim]{s}[/dim]", highlight=False))
     summary = run_calibration(profiling, model, gpu=gpu, vllm_version=vllm_version, runs=runs, out=out, report=report,
                         seeds=seeds, lengths=lengths, workers=workers, max_evals=evals,  # type: ignore[arg-type]
                         free=[f.strip() for f in free.split(",") if f.strip()], max_model_len=max_model_len,
-                        log=log)
+                        max_wall_s=max_minutes * 60.0, start=start_profile, log=log)
+    ref = summary.get("refinement")
+    if ref is not None and not ref.get("refined", True):
+        err_console.print("[yellow]warning:[/yellow] the refinement changed no constant: the 'refined' values "
+                          "are the starting values", highlight=False)
+    elif ref is not None and not ref.get("converged", True):
+        err_console.print("[yellow]warning:[/yellow] the refinement did not converge (budget or --max-minutes "
+                          "reached); the best point found is written", highlight=False)
     if json_out:
         print_json(summary)
         return
@@ -100,7 +123,10 @@ def render_calibration(summary: dict, model: str, gpu: str, con: Console | None 
     for k in ("priors", "refined"):
         t.add_column(k, justify="right", no_wrap=True)
     for label, key, digits in (("SMAPE throughput %", "smape_throughput", 2), ("SMAPE ITL %", "smape_itl", 2),
-                               ("SMAPE TTFT %", "smape_ttft", 2), ("SMAPE throughput % (x2)", "smape_throughput_2x", 2),
+                               ("SMAPE TTFT %", "smape_ttft", 2),
+                               ("bias throughput % (twin-real)", "bias_throughput_pct", 2),
+                               ("bias ITL % (twin-real)", "bias_itl_pct", 2),
+                               ("SMAPE throughput % (x2)", "smape_throughput_2x", 2),
                                ("SMAPE ITL % (x2)", "smape_itl_2x", 2), ("starved agreement", "starved_agreement", 3),
                                ("  on clear labels", "starved_agreement_clear", 3),
                                ("OOM agreement", "oom_agreement", 3)):

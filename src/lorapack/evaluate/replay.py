@@ -283,13 +283,11 @@ def replay_gpu(profile: Profile, task: GpuTask, window_s: float) -> GpuReplay:
     ttft = (res.t_first_s[done] - res.t_sent_s[done]).astype(np.float32)
     gaps = req.output_tokens[done].astype(np.int64) - 1
     span = res.t_finish_s[done] - res.t_first_s[done]
-    multi = gaps > 0
-    per_req_itl = span[multi] / gaps[multi] * 1000.0
     return GpuReplay(
         n_adapters=len(task.ranks), max_loras=a, max_lora_rank=s, n_requests=m.n_arrived, oom=False,
         error_type=None, starved=bool(m.starved), throughput_tok_s=m.throughput_tok_s,
         incoming_tok_s=m.incoming_tok_s, itl_mean_ms=m.itl_mean_ms,
-        itl_p99_ms=float(np.percentile(per_req_itl, 99)) if len(per_req_itl) else NAN,
+        itl_p99_ms=m.itl_p99_ms,  # every inter-token gap of the window (twin.gaps)
         ttft_mean_s=m.ttft_mean_ms / 1000.0, ttft_p99_s=m.ttft_p99_ms / 1000.0,
         ttft_penalised_s=m.ttft_penalised_mean_ms / 1000.0, n_completed=m.n_completed,
         starved_adapters=[task.adapter_ids[i] for i in m.starved_adapter_indices],

@@ -48,6 +48,7 @@ from .metrics import (
     STARVATION_RATIO,
     RunMetrics,
     compute_metrics,
+    finishable_mask,
 )
 from .steptime import C1, P1
 from .types import EngineConfig, EngineResult, RequestArrays
@@ -210,7 +211,7 @@ def adapter_labels_settled(res: EngineResult, req: RequestArrays, t_s: float, T:
 
 def _full_run_metrics(res: EngineResult, req: RequestArrays, cfg: EngineConfig) -> RunMetrics:
     T = float(cfg.duration_s)
-    return compute_metrics(res, req, T, cfg.n_adapters).replace(stop_reason=STOP_FULL, simulated_s=T)
+    return compute_metrics(res, req, T, cfg.n_adapters, cfg=cfg).replace(stop_reason=STOP_FULL, simulated_s=T)
 
 
 def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOptions,
@@ -227,6 +228,8 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
     tok = req.prompt_tokens.astype(np.int64) + req.output_tokens
     in_window = req.t_arr_s < T
     total_tok = float(tok[in_window].sum())
+    # the label's denominator: what an idle server could finish by T (no client cap: sent = arrived)
+    finishable_tok = float(tok[in_window & finishable_mask(req, req.t_arr_s, T, cfg)].sum())
     cum_tok = np.concatenate([[0], np.cumsum(tok)])
     c_max = capacity_bound_tok_s(cfg.step_coef)
     w = opts.window_s
@@ -260,7 +263,7 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
             labels_unsettled = True  # the worst case does not depend on when we look: no healthy stop
         if (opts.certain or opts.likely) and t_now >= opts.starved_min_s and len(ws.goodput) >= opts.starved_windows:
             certain = opts.certain and starvation_certain(f_t, q_t, total_tok - snap["sent_tokens"], t_now, T,
-                                                          c_max, total_tok)
+                                                          c_max, finishable_tok)
             likely = not certain and opts.likely and starvation_likely(ws, opts)
             if certain or likely:
                 est = starved_trend(ws, f_t, t_now, T, total_tok, opts)
@@ -275,7 +278,7 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
         return res, _full_run_metrics(res, req, cfg), eng
 
     snap = eng.snapshot()
-    out = compute_metrics(res, req, t_stop, cfg.n_adapters)  # latency metrics from what was simulated
+    out = compute_metrics(res, req, t_stop, cfg.n_adapters, cfg=cfg)  # latency metrics from what was simulated
     n_sent_total = int(in_window.sum())
     done_tok = max(done_tok_est, float(snap["completed_tokens"]))
     per_req = snap["completed_tokens"] / snap["n_completed"] if snap["n_completed"] else float(np.mean(tok))
@@ -286,10 +289,11 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
     pen = ((ttft if np.isfinite(ttft) else 0.0) * n_done + (n_sent_total - n_done) * T * 1000.0) / n_sent_total \
         if n_sent_total else float("nan")
     frac_in = float(req.prompt_tokens[in_window].sum()) / total_tok if total_tok else 0.5
-    starved = bool(throughput < STARVATION_RATIO * incoming)
+    starved = bool(throughput < STARVATION_RATIO * finishable_tok / T)
     out = out.replace(
         throughput_tok_s=throughput, input_tok_s=throughput * frac_in, output_tok_s=throughput * (1 - frac_in),
-        incoming_tok_s=incoming, throughput_ratio=throughput / incoming if incoming else float("nan"),
+        incoming_tok_s=incoming, finishable_tok_s=finishable_tok / T,
+        throughput_ratio=throughput / incoming if incoming else float("nan"),
         starved=starved, ttft_penalised_mean_ms=pen,
         n_arrived=n_sent_total, n_completed=n_done, stop_reason=reason, simulated_s=t_stop,
     )

@@ -58,12 +58,14 @@ import numpy as np
 from numba import njit
 
 from ..guards import Limits, check_engine
+from . import gaps as _gaps_mod
 from . import steptime as _steptime_mod
 from .jitcache import cached_njit
 from .types import TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays
 
 _compute_ms = cached_njit()(_steptime_mod.compute_ms)
 _sched_ms = cached_njit()(_steptime_mod.sched_ms)
+_gap_bin = cached_njit()(_gaps_mod.gap_bin)
 
 INF_KEY = np.int64(2**62)  # the key of an empty FIFO
 WAITING, RUNNING, FINISHED = 1, 2, 3
@@ -123,6 +125,7 @@ class Requests(NamedTuple):
     output_tokens_done: np.ndarray  # written back when the request leaves the running list
     t_sent_s: np.ndarray
     t_first_s: np.ndarray
+    t_last_token_s: np.ndarray  # when its latest token was streamed (for the inter-token gaps)
     t_finish_s: np.ndarray
     n_preempted: np.ndarray
 
@@ -170,6 +173,7 @@ class EngineState(NamedTuple):
     running: RunningSlots
     adapters: AdapterCaches
     timeline: np.ndarray  # [sample, TIMELINE_COLUMNS]
+    gap_hist: np.ndarray  # inter-token gaps that ended in the window, binned by ``gaps.gap_bin``
     counters: np.ndarray  # one COUNTERS record
 
 
@@ -551,19 +555,32 @@ def _compact_running(st, first_finished):
 @njit(inline="always")
 def _update_from_output(lim, st, n_scheduled, t_end_s):
     """Tokens computed; a request whose computed tokens reach its length samples one token (its first
-    sets ``t_first_s``); requests with all their output tokens finish."""
-    run = st.running
+    sets ``t_first_s``; the others add their gap to the ITL histogram); requests with all their output
+    tokens finish."""
+    run, req = st.running, st.requests
+    t_start_s = st.counters[0].t_s
+    in_window = t_end_s <= lim.duration_s
+    n_gaps_of_this_step = 0  # tokens whose previous one ended the previous step: gap = this step
     first_finished = -1
     for k in range(n_scheduled):
         run.computed_tokens[k] += run.scheduled_tokens[k]
         if run.computed_tokens[k] == run.prompt_tokens[k] + run.output_tokens[k]:
             run.output_tokens[k] += 1
+            r = run.request[k]
             if run.output_tokens[k] == 1:
-                st.requests.t_first_s[run.request[k]] = t_end_s
+                req.t_first_s[r] = t_end_s
+            elif in_window:
+                if req.t_last_token_s[r] == t_start_s:
+                    n_gaps_of_this_step += 1
+                else:  # after a stall or a preemption: one long gap
+                    st.gap_hist[_gap_bin(t_end_s - req.t_last_token_s[r])] += 1
+            req.t_last_token_s[r] = t_end_s
             if run.output_tokens[k] == run.target_output_tokens[k]:
                 _finish(st, k, t_end_s, lim.duration_s)
                 if first_finished < 0:
                     first_finished = k
+    if n_gaps_of_this_step > 0:
+        st.gap_hist[_gap_bin(t_end_s - t_start_s)] += n_gaps_of_this_step
     if first_finished >= 0:
         _compact_running(st, first_finished)
 
@@ -641,8 +658,8 @@ def new_state(cfg: EngineConfig, req: RequestArrays) -> EngineState:
     requests = Requests(
         t_arr_s=req.t_arr_s, adapter=req.adapter, prompt_tokens=req.prompt_tokens, output_tokens=req.output_tokens,
         status=np.zeros(n, np.int8), queue_key=np.zeros(n, np.int64), output_tokens_done=np.zeros(n, np.int64),
-        t_sent_s=np.full(n, np.nan), t_first_s=np.full(n, np.nan), t_finish_s=np.full(n, np.nan),
-        n_preempted=np.zeros(n, np.int32))
+        t_sent_s=np.full(n, np.nan), t_first_s=np.full(n, np.nan), t_last_token_s=np.full(n, np.nan),
+        t_finish_s=np.full(n, np.nan), n_preempted=np.zeros(n, np.int32))
     queue = WaitingQueue(
         head=np.full(n_ad, -1, np.int64), tail=np.full(n_ad, -1, np.int64), next=np.full(n, -1, np.int64),
         prev=np.full(n, -1, np.int64), all_key=np.full(2 * size, INF_KEY, np.int64),
@@ -675,7 +692,7 @@ def new_state(cfg: EngineConfig, req: RequestArrays) -> EngineState:
                 adapters.cpu_slots[c.n_cpu_resident] = a
                 c.n_cpu_resident += 1
     timeline = np.zeros((_timeline_samples(float(cfg.duration_s), float(cfg.timeline_dt_s)), len(TIMELINE_COLUMNS)))
-    return EngineState(requests, queue, running, adapters, timeline, counters)
+    return EngineState(requests, queue, running, adapters, timeline, _gaps_mod.new_histogram(), counters)
 
 
 def server_limits(cfg: EngineConfig) -> ServerLimits:
@@ -751,6 +768,7 @@ class Engine:
             n_disk_loads=int(c["n_disk_loads"]), busy_s=float(c["busy_s"]), sched_s=float(c["sched_s"]),
             load_s=float(c["load_s"]), held_end=int(c["held_end_index"]),
             timeline={name: self.state.timeline[:n_rows, j] for j, name in enumerate(TIMELINE_COLUMNS)},
+            gap_hist=self.state.gap_hist.copy(), ttft_overhead_ms=float(self.cfg.ttft_overhead_ms),
         )
 
 

@@ -5,8 +5,8 @@ helpers): numba's default would write next to the source file, and refuse to imp
 install without a writable home directory.
 
 numba keys a cached function by its own source file only, but the engine inlines the step-time code of
-``steptime.py``: the directory is therefore named after a hash of both files, so a change of either gets
-fresh machine code. Location: ``$LORAPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/lorapack``, else
+``steptime.py`` and the gap binning of ``gaps.py``: the directory is therefore named after a hash of the three
+files, so a change of any gets fresh machine code. Location: ``$LORAPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/lorapack``, else
 ``~/.cache/lorapack``; below it ``numba/twin-<hash>``. Without a writable directory the engine is compiled
 in every process (about a second) and nothing is written anywhere.
 """
@@ -25,7 +25,7 @@ import numba
 from numba.core import config as numba_config
 
 CACHE_ENV_VAR = "LORAPACK_CACHE_DIR"
-SOURCES = ("engine.py", "steptime.py")  # the files whose code the cached engine contains
+SOURCES = ("engine.py", "steptime.py", "gaps.py")  # the files whose code the cached engine contains
 
 
 def cache_root() -> Path:

@@ -4,12 +4,20 @@
   ``types.py``); completed = finished by ``duration_s``;
 * TTFT counts from ``t_sent`` (the injection time of a request the cap held back), not from ``t_arr``;
 * throughput = Σ_completed (P + O) / duration (input + output tokens per second);
-* incoming (ideal) = Σ_sent (P + O) / duration; ``starved`` = throughput < 0.9 × incoming;
+* incoming (ideal) = Σ_sent (P + O) / duration (the benchmark's definition, kept for calibration and validation);
+* ``starved`` = throughput < 0.9 × ``finishable_tok_s``: the tokens of the sent requests that an idle server
+  could have completed by the window's end (sent time + the request's service time alone on the GPU <= end;
+  ``idle_service_s``). Requests unfinished at the end are cancelled and excluded, as in the benchmark; without
+  this rule a short window on an idle server would be "starved" by the requests still in flight at its end.
+  On the one-hour windows of the real runs the two denominators differ by about 0.1 %;
 * ITL = Σ_completed (t_last − t_first) / Σ_completed (O − 1): the token-weighted mean of all gaps;
-* ``itl_p99_ms``: p99 over completed requests of each one's mean inter-token gap (TPOT; no per-token times);
+* ``itl_median_ms``, ``itl_p99_ms``: percentiles of every inter-token gap that ended in the window (the engine's
+  log-binned gap histogram, ``twin.gaps``; a gap across a stall or a preemption is one long gap, as the client
+  sees it). Engines without a histogram give the p99 over completed requests of their mean gap instead;
 * per adapter: completed-token ratio over the requests sent ``adapter_grace_s`` before the end, and the age of
   its oldest unfinished request (``adapter_starved``: ratio < 0.9 with >= 20 such requests, or age > 300 s);
-* TTFT over completed requests; penalised TTFT counts each unfinished request as the whole window.
+* TTFT over completed requests, plus ``EngineResult.ttft_overhead_ms`` (the API server's share, a profile
+  constant); penalised TTFT counts each unfinished request as the whole window.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from .types import EngineResult, RequestArrays
+from .gaps import percentile_ms
+from .steptime import compute_ms
+from .types import EngineConfig, EngineResult, RequestArrays
 
 STARVATION_RATIO = 0.9
 # per-adapter label (twin.md §4.2 extension): the ratio test counts adapters with at least this many requests
@@ -64,18 +74,22 @@ class RunMetrics:
     input_tok_s: float = NAN
     output_tok_s: float = NAN
     incoming_tok_s: float = NAN  # tokens of the sent requests per second
+    finishable_tok_s: float = NAN  # of those, the tokens an idle server could have completed by the end
     throughput_ratio: float = NAN
-    starved: bool | None = None  # throughput < 0.9 x incoming
+    starved: bool | None = None  # throughput < 0.9 x finishable
     # latencies of the completed requests
     itl_mean_ms: float = NAN  # token-weighted mean gap
     tpot_mean_ms: float = NAN  # mean of per-request mean gaps
-    itl_p99_ms: float = NAN  # p99 over requests of their mean gap (no per-token times are kept)
+    itl_median_ms: float = NAN  # token-weighted percentiles of the inter-token gaps (twin.gaps)
+    itl_p99_ms: float = NAN
     ttft_mean_ms: float = NAN
     ttft_median_ms: float = NAN
     ttft_p99_ms: float = NAN
     ttft_penalised_mean_ms: float = NAN  # unfinished requests count the whole window
     # counts
-    n_arrived: int = 0  # sent in the window
+    n_arrived: int = 0  # sent in the window (requests vLLM rejects excluded: ``n_rejected``)
+    n_rejected: int = 0  # sent in the window but longer than --max-model-len: vLLM refuses them, nothing served
+    rejected_tok_s: float = 0.0  # their tokens per second (in no other rate)
     n_completed: int = 0
     n_generated: int = 0  # arrivals generated (sent or not)
     n_preemptions: int = 0
@@ -139,10 +153,33 @@ def _stat(x: np.ndarray, fn) -> float:
     return float(fn(x)) if len(x) else float("nan")
 
 
+def idle_service_s(req: RequestArrays, step_coef: np.ndarray, max_num_batched_tokens: int) -> np.ndarray:
+    """Per request, its time on an otherwise idle server: its prefill chunks, then one step per further
+    output token, each step with this request alone (B = 1, one adapter; no scheduler time, no load)."""
+    p = req.prompt_tokens.astype(np.float64)
+    chunks = np.ceil(p / max_num_batched_tokens)
+    base = compute_ms(step_coef, 1, 0, 0, 0.0, 1)  # a step's fixed part
+    per_prefill_token = compute_ms(step_coef, 1, 1, 1, 0.0, 1) - base
+    decode_ms = compute_ms(step_coef, 1, 0, 1, 0.0, 1)
+    out = chunks * base + p * per_prefill_token + (req.output_tokens.astype(np.float64) - 1) * decode_ms
+    return out / 1000.0
+
+
+def finishable_mask(req: RequestArrays, since_s: np.ndarray, duration_s: float, cfg: EngineConfig | None) -> np.ndarray:
+    """Requests that an idle server could complete by ``duration_s`` when sent at ``since_s`` (all of
+    them when ``cfg`` is None: the benchmark's plain count)."""
+    if cfg is None:
+        return np.ones(len(req), dtype=bool)
+    return since_s + idle_service_s(req, cfg.step_coef, int(cfg.max_num_batched_tokens)) <= duration_s
+
+
 def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_adapters: int,
                     adapter_min_requests: int = ADAPTER_MIN_REQUESTS, adapter_max_wait_s: float = ADAPTER_MAX_WAIT_S,
-                    adapter_grace_s: float = ADAPTER_GRACE_S) -> RunMetrics:
-    """Run-level metrics plus per-adapter starvation (twin.md §4.2 extension)."""
+                    adapter_grace_s: float = ADAPTER_GRACE_S, cfg: EngineConfig | None = None) -> RunMetrics:
+    """Run-level metrics plus per-adapter starvation (twin.md §4.2 extension).
+
+    ``cfg`` (the run's engine configuration) lets the starvation labels count only what could have finished
+    (``finishable_tok_s``); without it every sent request counts."""
     p = req.prompt_tokens.astype(np.int64)
     o = req.output_tokens.astype(np.int64)
     # sent: arrived in the window and not held back by the client cap at the end (a request arriving
@@ -157,13 +194,23 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     output_tok_s = float(o[done].sum()) / duration_s
     throughput = input_tok_s + output_tok_s
     incoming = float((p[sent] + o[sent]).sum()) / duration_s
+    # a request sent during the last step was never injected (t_sent NaN): it counts from its arrival
+    since = np.where(np.isfinite(res.t_sent_s), res.t_sent_s, req.t_arr_s)
+    could_finish = sent & finishable_mask(req, since, duration_s, cfg)
+    finishable = float((p[could_finish] + o[could_finish]).sum()) / duration_s
 
-    ttft_ms = (res.t_first_s[done] - res.t_sent_s[done]) * 1000.0  # completed => injected
+    # completed => injected
+    ttft_ms = (res.t_first_s[done] - res.t_sent_s[done]) * 1000.0 + float(res.ttft_overhead_ms)
     gaps = o[done] - 1
     span_s = res.t_finish_s[done] - res.t_first_s[done]
     itl = float(span_s.sum() / gaps.sum() * 1000.0) if gaps.sum() > 0 else float("nan")
     multi = gaps > 0
     tpot = _stat(span_s[multi] / gaps[multi] * 1000.0, np.mean)
+    if res.gap_hist is not None:
+        itl_median, itl_p99 = percentile_ms(res.gap_hist, 50.0), percentile_ms(res.gap_hist, 99.0)
+    else:
+        itl_median = NAN
+        itl_p99 = _stat(span_s[multi] / gaps[multi] * 1000.0, lambda x: np.percentile(x, 99))
     ttft_mean = _stat(ttft_ms, np.mean)
     if n_sent:
         done_part = ttft_mean * n_done if n_done else 0.0
@@ -177,15 +224,13 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     ad = req.adapter
     tok = p + o
     cut = duration_s - adapter_grace_s if duration_s > 2 * adapter_grace_s else duration_s
-    ripe = sent & (req.t_arr_s < cut)
+    ripe = could_finish & (req.t_arr_s < cut)
     sent_tok = np.bincount(ad[ripe], weights=tok[ripe], minlength=n_adapters)
     done_tok = np.bincount(ad[ripe & done], weights=tok[ripe & done], minlength=n_adapters)
     sent_n = np.bincount(ad[ripe], minlength=n_adapters)
     open_ = sent & ~done
     oldest = np.zeros(n_adapters)
     if open_.any():
-        # a request sent during the last step was never injected (t_sent NaN): its age counts from arrival
-        since = np.where(np.isfinite(res.t_sent_s), res.t_sent_s, req.t_arr_s)
         age = duration_s - since[open_]
         np.maximum.at(oldest, ad[open_], age)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -200,11 +245,13 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
         input_tok_s=input_tok_s,
         output_tok_s=output_tok_s,
         incoming_tok_s=incoming,
+        finishable_tok_s=finishable,
         throughput_ratio=throughput / incoming if incoming > 0 else NAN,
-        starved=bool(throughput < STARVATION_RATIO * incoming),
+        starved=bool(throughput < STARVATION_RATIO * finishable),
         itl_mean_ms=itl,
         tpot_mean_ms=tpot,
-        itl_p99_ms=_stat(span_s[multi] / gaps[multi] * 1000.0, lambda x: np.percentile(x, 99)),
+        itl_median_ms=itl_median,
+        itl_p99_ms=itl_p99,
         ttft_mean_ms=ttft_mean,
         ttft_median_ms=_stat(ttft_ms, np.median),
         ttft_p99_ms=_stat(ttft_ms, lambda x: np.percentile(x, 99)),

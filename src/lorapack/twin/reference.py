@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .gaps import gap_bin, new_histogram
 from .steptime import compute_ms, sched_ms
 from .types import TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays
 
@@ -140,6 +141,8 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
     t_sent = [nan] * n
     t_first = [nan] * n
     t_finish = [nan] * n
+    t_last_token = [nan] * n  # when the latest token of each request was streamed
+    gap_hist = new_histogram()  # every inter-token gap that ends in the window (twin.gaps)
     n_preempted = [0] * n
     tokens_scheduled = [0] * n
     tokens_lost = [0] * n
@@ -373,6 +376,9 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
                 out_done[r] += 1
                 if out_done[r] == 1:
                     t_first[r] = t_end
+                elif t_end <= duration:
+                    gap_hist[gap_bin(t_end - t_last_token[r])] += 1
+                t_last_token[r] = t_end
                 if out_done[r] == output[r]:
                     t_finish[r] = t_end
                     free_blocks += blocks[r]
@@ -454,6 +460,8 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
             "num_adapters_resident": np.array(timeline["num_adapters_resident"], dtype=np.int64),
             "num_adapters_running": np.array(timeline["num_adapters_running"], dtype=np.int64),
         },
+        gap_hist=gap_hist,
+        ttft_overhead_ms=float(cfg.ttft_overhead_ms),
     )
     trace = ReferenceTrace(
         final_t_s=t,

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import SpecError
+from ..errors import LorapackWarning, SpecError
 from ..guards import Limits, check
-from ..profile import Profile
+from ..profile import VLLM_LORA_RANKS, Profile, smallest_vllm_rank
 from ..workload.cost import estimate_workload
 from .early import EarlyStopOptions, run_with_early_stop
 from .engine import simulate_fast
@@ -31,7 +32,7 @@ class ServerFlags:
     """vLLM server flags the twin models. ``None`` = vLLM's / the profile's default."""
 
     max_loras: int
-    max_lora_rank: int | None = None  # default: largest served rank
+    max_lora_rank: int | None = None  # default: the smallest value vLLM accepts that holds every served rank
     max_cpu_loras: int | None = None  # default: number of served adapters (at least max_loras)
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -83,18 +84,48 @@ class ResolvedServer:
     extra: dict = field(default_factory=dict)
 
 
+def check_lora_ranks(ranks: np.ndarray, max_lora_rank: int | None) -> int:
+    """vLLM 0.8.5's rank rules; returns the slot rank S.
+
+    ``--max-lora-rank`` must be one of ``VLLM_LORA_RANKS`` (``LoRAConfig`` refuses to start otherwise; the
+    default is the smallest accepted value that holds the largest adapter); an adapter of a rank above it is
+    refused when it is loaded (``PEFTHelper.validate_legal``). An adapter's own rank may be any integer up to
+    S: vLLM pads it into its slot."""
+    max_rank = int(np.max(ranks))
+    if max_lora_rank is None:
+        if max_rank > VLLM_LORA_RANKS[-1]:
+            raise SpecError(f"adapter rank {max_rank} exceeds the largest --max-lora-rank vLLM accepts "
+                            f"({VLLM_LORA_RANKS[-1]})")
+        return smallest_vllm_rank(max_rank)
+    s = int(max_lora_rank)
+    if s not in VLLM_LORA_RANKS:
+        raise SpecError(f"--max-lora-rank {s}: vLLM accepts only {', '.join(map(str, VLLM_LORA_RANKS))}")
+    if s < max_rank:
+        raise SpecError(f"--max-lora-rank {s} is below the largest adapter rank {max_rank} (vLLM refuses to load "
+                        f"it); expected --max-lora-rank >= {max_rank}")
+    return s
+
+
+def warn_uncalibrated_ranks(profile: Profile, ranks: np.ndarray, slot_rank: int) -> None:
+    """A ``LorapackWarning`` when an adapter or slot rank lies outside the ranks the profile's data covers."""
+    lo, hi = profile.calibrated_ranks()
+    outside = sorted({int(r) for r in np.unique(ranks) if not lo <= r <= hi} | ({slot_rank} - set(range(lo, hi + 1))))
+    if outside:
+        warnings.warn(f"rank(s) {', '.join(map(str, outside))} lie outside the ranks {profile.model}'s profile was "
+                      f"calibrated on ({lo}-{hi}): the twin extrapolates their LoRA costs", LorapackWarning,
+                      stacklevel=3)
+
+
 def resolve_server(profile: Profile, ranks: np.ndarray, flags: ServerFlags) -> ResolvedServer:
-    """Apply defaults, check the flags against the adapters and the start-up rule (twin.md §3.4)."""
+    """Apply defaults, check the flags against the adapters (vLLM's rules) and the start-up rule
+    (twin.md §3.4)."""
     n_adapters = len(ranks)
     if n_adapters == 0:
         raise SpecError("the workload has no adapters; expected at least one")
     if flags.max_loras < 1:
         raise SpecError(f"--max-loras {flags.max_loras}: expected an integer >= 1")
-    max_rank = int(np.max(ranks))
-    s = max_rank if flags.max_lora_rank is None else int(flags.max_lora_rank)
-    if s < max_rank:
-        raise SpecError(f"--max-lora-rank {s} is below the largest adapter rank {max_rank}; "
-                        f"expected --max-lora-rank >= {max_rank}")
+    s = check_lora_ranks(ranks, flags.max_lora_rank)
+    warn_uncalibrated_ranks(profile, ranks, s)
     n_cpu = max(n_adapters, flags.max_loras) if flags.max_cpu_loras is None else int(flags.max_cpu_loras)
     if n_cpu < flags.max_loras:
         raise SpecError(f"--max-cpu-loras {n_cpu} is below --max-loras {flags.max_loras}; vLLM requires "
@@ -121,13 +152,15 @@ def step_model(profile: Profile, srv: ResolvedServer) -> StepModel:
     st, sc = profile.steptime, profile.scheduler
     slots = st.e4_ms_per_ktok_slot * srv.max_loras / 1000.0  # per-token cost of the slot grid
     e1p = st.e1_ms_per_token if st.e1p_ms_per_prefill_token is None else st.e1p_ms_per_prefill_token
+    gamma_token, gamma_adapter = st.rank_exponents()
     return StepModel(
         c0_ms=st.c0_ms, c1_ms_per_req=st.c1_ms_per_req, p1_ms_per_prefill_token=st.p1_ms_per_prefill_token,
         a3_ms_per_kctx=st.a3_ms_per_kctx, lora_form=st.lora_form, e0_ms=st.e0_ms,
         e1_ms_per_token=st.e1_ms_per_token + slots, e1p_ms_per_prefill_token=e1p + slots,
         e2_ms_per_adapter=st.e2_ms_per_adapter,
         e3_ms_per_kreq_adapter=st.e3_ms_per_kreq_adapter,
-        rank_scale=(srv.max_lora_rank / 8.0) ** st.gamma, k0_pct=st.k0_pct,
+        rank_scale=(srv.max_lora_rank / 8.0) ** gamma_adapter,
+        rank_scale_token=(srv.max_lora_rank / 8.0) ** gamma_token, k0_pct=st.k0_pct,
         k1_pct_per_adapter=st.k1_pct_per_adapter,
         sched_ms_per_running=sc.ms_per_running, sched_const_ms=sc.const_ms,
         sched_ms_per_waiting=sc.ms_per_waiting,
@@ -146,7 +179,8 @@ def engine_config(profile: Profile, ranks: np.ndarray, srv: ResolvedServer, dura
         kv_blocks=srv.kv_cache_tokens // profile.block_size, step_coef=step_model(profile, srv).to_array(),
         duration_s=duration_s, max_num_seqs=srv.max_num_seqs,
         max_num_batched_tokens=srv.max_num_batched_tokens, block_size=profile.block_size,
-        warm_gpu=warm_start, warm_cpu=True, client_cap=client_cap)
+        warm_gpu=warm_start, warm_cpu=True, client_cap=client_cap,
+        ttft_overhead_ms=profile.frontend.ttft_overhead_ms if profile.frontend is not None else 0.0)
 
 
 def oom_metrics(srv: ResolvedServer, n_generated: int) -> RunMetrics:
@@ -162,6 +196,17 @@ def server_settings(srv: ResolvedServer) -> ServerSettings:
                           max_num_seqs=srv.max_num_seqs, max_model_len=srv.max_model_len)
 
 
+def reject_over_long(req: RequestArrays, max_model_len: int) -> np.ndarray | None:
+    """The requests vLLM accepts (a mask), or None when it accepts all: the OpenAI server refuses a request
+    whose prompt plus ``max_tokens`` (the benchmark client sets it to O) exceeds ``--max-model-len``."""
+    too_long = req.prompt_tokens.astype(np.int64) + req.output_tokens.astype(np.int64) > max_model_len
+    return ~too_long if too_long.any() else None
+
+
+def _subset(req: RequestArrays, keep: np.ndarray) -> RequestArrays:
+    return RequestArrays(req.t_arr_s[keep], req.adapter[keep], req.prompt_tokens[keep], req.output_tokens[keep])
+
+
 def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, flags: ServerFlags,
                       duration_s: float = DEFAULT_DURATION_S, early_stop: EarlyStopOptions | None = None,
                       limits: Limits | None = None) -> tuple[RunMetrics, EngineResult | None]:
@@ -170,6 +215,11 @@ def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, f
     With ``early_stop`` the run may end before ``duration_s`` (``stop_reason``, ``simulated_s`` say so) and
     the run-level metrics are extrapolated (``twin.early``); the engine result is then partial. (With a
     client cap the run is simulated in full: held-back arrivals make the extrapolation unknowable.)
+
+    Requests longer than ``--max-model-len`` (prompt + output) are rejected as vLLM rejects them: they never
+    reach the engine, the metrics count them in ``n_rejected`` / ``rejected_tok_s`` only (not as load: more GPUs
+    would not serve them), a ``LorapackWarning`` says how many, and the engine result (per request, aligned
+    with ``req``) shows them as never sent.
 
     Every input is checked before the compiled engine runs: ``SpecError`` (a ``ValueError``) for malformed
     arrays or flags, ``ResourceLimitError`` for runs over ``limits`` (``guards.DEFAULT_LIMITS``)."""
@@ -185,12 +235,23 @@ def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, f
     if not srv.starts:
         return oom_metrics(srv, len(req)).replace(server=server), None
     cfg = engine_config(profile, ranks, srv, duration_s, flags.client_cap, flags.warm_start)
+    kept = reject_over_long(req, srv.max_model_len)
+    served = req if kept is None else _subset(req, kept)
     if early_stop is not None:
-        res, metrics, _eng = run_with_early_stop(cfg, req, early_stop, limits)
+        res, metrics, _eng = run_with_early_stop(cfg, served, early_stop, limits)
     else:
-        res = simulate_fast(cfg, req, limits=limits)
-        metrics = compute_metrics(res, req, duration_s, len(ranks)).replace(stop_reason="full",
-                                                                             simulated_s=duration_s)
+        res = simulate_fast(cfg, served, limits=limits)
+        metrics = compute_metrics(res, served, duration_s, len(ranks), cfg=cfg).replace(stop_reason="full",
+                                                                                simulated_s=duration_s)
+    if kept is not None:
+        gone = ~kept & (req.t_arr_s < duration_s)
+        tokens = float(req.prompt_tokens[gone].astype(np.int64).sum() + req.output_tokens[gone].astype(np.int64).sum())
+        metrics = metrics.replace(n_rejected=int(gone.sum()), rejected_tok_s=tokens / duration_s)
+        res = res.expanded(kept)
+        if gone.any():
+            warnings.warn(f"{int(gone.sum())} request(s) are longer than --max-model-len {srv.max_model_len} (prompt "
+                          f"+ output tokens): vLLM rejects them; they are counted in n_rejected, not served",
+                          LorapackWarning, stacklevel=2)
     return metrics.replace(kv_cache_tokens=srv.kv_cache_tokens, server=server), res
 
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# indices into the packed coefficient vector (E1P was appended last: older indices are unchanged)
-C0, C1, P1, A3, LORA_FORM, E0, E1, E2, E3, RANK_SCALE, K0, K1, SB, S0, SW, SWA, SBASE, E1P = range(18)
-N_COEF = 18
+# indices into the packed coefficient vector (later additions are appended: older indices are unchanged)
+C0, C1, P1, A3, LORA_FORM, E0, E1, E2, E3, RANK_SCALE, K0, K1, SB, S0, SW, SWA, SBASE, E1P, RANK_SCALE_TOKEN = \
+    range(19)
+N_COEF = 19
 
 LORA_NONE, LORA_ADDITIVE, LORA_MULTIPLICATIVE = 0.0, 1.0, 2.0
 
@@ -31,7 +32,8 @@ class StepModel:
     e1_ms_per_token: float = 0.0  # LoRA cost per decode token
     e2_ms_per_adapter: float = 0.0
     e3_ms_per_kreq_adapter: float = 0.0  # B x L interaction, per 1000 request-adapters
-    rank_scale: float = 1.0  # (S/8)**gamma, multiplies e1, e1p, e2, e3
+    rank_scale: float = 1.0  # (S/8)**gamma_adapter: multiplies the per-adapter terms e2, e3
+    rank_scale_token: float | None = None  # (S/8)**gamma_token: multiplies e1, e1p; None = rank_scale
     k0_pct: float = 100.0
     k1_pct_per_adapter: float = 0.0
     sched_ms_per_running: float = 0.0
@@ -56,6 +58,7 @@ class StepModel:
             self.sched_ms_per_running, self.sched_const_ms, self.sched_ms_per_waiting,
             self.sched_ms_per_waiting_slot_ratio, self.sched_baseline_ms)
         coef[E1P] = self.e1_ms_per_token if self.e1p_ms_per_prefill_token is None else self.e1p_ms_per_prefill_token
+        coef[RANK_SCALE_TOKEN] = self.rank_scale if self.rank_scale_token is None else self.rank_scale_token
         return coef
 
 
@@ -63,8 +66,10 @@ def compute_ms(coef: np.ndarray, n_sched: int, n_prefill_tokens: int, n_tokens: 
                ctx_tokens: float, n_lora: int) -> float:
     """GPU time of the forward pass: ``base`` plus the LoRA part when the batch uses adapters.
 
-    additive LoRA part: ``e0 + rank_scale * (e1*B_dec + e1p*n_pf + e2*L + e3*B*L/1000)`` with
-    ``B_dec = n_tokens - n_prefill_tokens`` (decode tokens), ``n_pf`` prefill tokens, ``L`` distinct adapters.
+    additive LoRA part: ``e0 + rank_scale_token * (e1*B_dec + e1p*n_pf) + rank_scale * (e2*L + e3*B*L/1000)``
+    with ``B_dec = n_tokens - n_prefill_tokens`` (decode tokens), ``n_pf`` prefill tokens, ``L`` distinct
+    adapters. The two rank factors differ because the shrink/expand kernels' work per token is dominated by
+    the activations (hardly depends on the slot rank S), while per adapter they read its weights (grow with S).
     """
     base = (coef[C0] + coef[C1] * n_sched + coef[P1] * n_prefill_tokens
             + coef[A3] * ctx_tokens / 1000.0)
@@ -72,9 +77,9 @@ def compute_ms(coef: np.ndarray, n_sched: int, n_prefill_tokens: int, n_tokens: 
         return base
     if coef[LORA_FORM] == LORA_MULTIPLICATIVE:
         return base * (coef[K1] * n_lora + coef[K0]) / 100.0
-    return base + coef[E0] + coef[RANK_SCALE] * (
-        coef[E1] * (n_tokens - n_prefill_tokens) + coef[E1P] * n_prefill_tokens + coef[E2] * n_lora
-        + coef[E3] * n_sched * n_lora / 1000.0)
+    return base + coef[E0] + coef[RANK_SCALE_TOKEN] * (
+        coef[E1] * (n_tokens - n_prefill_tokens) + coef[E1P] * n_prefill_tokens) + coef[RANK_SCALE] * (
+        coef[E2] * n_lora + coef[E3] * n_sched * n_lora / 1000.0)
 
 
 def sched_ms(coef: np.ndarray, n_running: int, n_waiting: int) -> float:

@@ -18,6 +18,7 @@ Time conventions (shared by both engines):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -159,6 +160,9 @@ class EngineConfig:
     warm_cpu: bool = True  # CPU cache holds the last min(N_cpu, N) registered adapters at t = 0
     client_cap: int = 0  # client-saturation cap W_cap on waiting requests; 0 = off
     timeline_dt_s: float = 2.0
+    # time a request spends outside the engine before the client sees its first token (API server:
+    # tokenisation, the hop to the engine core and back, detokenisation, streaming): added to every TTFT
+    ttft_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         self.check()
@@ -190,6 +194,10 @@ class EngineConfig:
             if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating) \
                     or not math.isfinite(v) or v <= 0:
                 raise SpecError(f"{name} {v!r}: expected a finite number of seconds > 0")
+        v = self.ttft_overhead_ms
+        if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating) \
+                or not math.isfinite(v) or v < 0:
+            raise SpecError(f"ttft_overhead_ms {v!r}: expected a finite number of ms >= 0")
 
     @property
     def n_adapters(self) -> int:
@@ -224,3 +232,22 @@ class EngineResult:
     load_s: float = 0.0  # sum of adapter load time
     held_end: int = 0  # arrivals with a lower index were held back by the client cap at some point
     timeline: dict[str, np.ndarray] = field(default_factory=dict)  # TIMELINE_COLUMNS -> arrays
+    # inter-token gaps that ended in the window (``gaps.gap_bin`` bins); None from engines that keep none
+    gap_hist: np.ndarray | None = None
+    ttft_overhead_ms: float = 0.0  # EngineConfig.ttft_overhead_ms: the metrics add it to every TTFT
+
+    def expanded(self, kept: np.ndarray) -> EngineResult:
+        """This result of the requests ``kept`` (a mask over a larger request list) laid out over that whole
+        list: the others were never sent to the engine (NaN times, no preemption)."""
+        n = len(kept)
+        idx = np.flatnonzero(kept)
+
+        def spread(a: np.ndarray, fill) -> np.ndarray:
+            out = np.full(n, fill, dtype=a.dtype)
+            out[idx] = a
+            return out
+
+        held = int(idx[self.held_end]) if self.held_end < len(idx) else n
+        return dataclasses.replace(self, t_sent_s=spread(self.t_sent_s, np.nan), t_first_s=spread(self.t_first_s, np.nan),
+                                   t_finish_s=spread(self.t_finish_s, np.nan), n_preempted=spread(self.n_preempted, 0),
+                                   held_end=held)
