@@ -29,15 +29,15 @@ from pathlib import Path
 
 from lorapack import __version__
 from lorapack.calibrate import default_data_dir
-from lorapack.calibrate.command import DEFAULT_MAX_EVALS, refine_profile, validate_profile
+from lorapack.calibrate.command import DEFAULT_MAX_EVALS, DEFAULT_MAX_WALL_S, refine_profile, validate_profile
 from lorapack.calibrate.priors import CALIBRATION_CSV, fit_priors_from, lora_overhead_points
 from lorapack.profile import find_profile
 from lorapack.realruns import RunPrediction, read_runs, run_group, score_runs
 
 MODELS = ("llama-3.1-8b-instruct", "qwen-2.5-7b-instruct")
 OUT = Path(__file__).resolve().parent / "results" / "fidelity.json"
-KEYS = ("smape_throughput", "smape_itl", "smape_ttft", "smape_throughput_2x", "smape_itl_2x", "smape_ttft_2x",
-        "starved_agreement", "starved_agreement_clear", "oom_agreement")
+KEYS = ("smape_throughput", "smape_itl", "smape_ttft", "bias_throughput_pct", "bias_itl_pct", "smape_throughput_2x",
+        "smape_itl_2x", "smape_ttft_2x", "starved_agreement", "starved_agreement_clear", "oom_agreement")
 
 
 def _clean(x):
@@ -58,7 +58,7 @@ def _write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_evals: tuple[int, int],
-         workers: int) -> dict:
+         workers: int, max_wall_s: float = DEFAULT_MAX_WALL_S) -> dict:
     """Leave-one-group-out for one model: refine on two groups, score the third; plus the pooled scores."""
     groups = sorted({run_group(r["run_id"]) for r in rows})
     anchors = lora_overhead_points(data_dir / "profiling", model)
@@ -75,11 +75,13 @@ def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_eva
             prior = fit_priors_from(data_dir / "profiling", runs_csv, model)
         tag = f"  [held out: {g}] "
         prof, prov = refine_profile(prior, train, anchors=anchors, seeds=seeds, max_evals=max_evals,
-                                    workers=workers, log=lambda s, tag=tag: print(tag + s, file=sys.stderr, flush=True))
+                                    max_wall_s=max_wall_s, workers=workers,
+                                    log=lambda s, tag=tag: print(tag + s, file=sys.stderr, flush=True))
         scores, table = validate_profile(prof, test, seeds=seeds, workers=workers)
         scores.pop("by_group", None)
         held[g] = {"train_runs": len(train), "test_runs": len(test), "scores": scores,
                    "refined": {k: v["refined"] for k, v in prov["free"].items()},
+                   "ttft_overhead_ms": prov["frontend"]["ttft_overhead_ms"], "converged": prov["converged"],
                    "wall_s": time.perf_counter() - t0}
         all_rows += test
         all_preds += [t.prediction for t in table]
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="parallel processes (0 = all cores)")
     ap.add_argument("--max-evals", default=",".join(map(str, DEFAULT_MAX_EVALS)),
                     help="least-squares evaluations of the two refinement stages in leave-one-group-out")
+    ap.add_argument("--max-minutes", type=float, default=DEFAULT_MAX_WALL_S / 60,
+                    help="wall-time cap of each leave-one-group-out refinement")
     ap.add_argument("--no-logo", action="store_true", help="in-sample scores only")
     ap.add_argument("--model", action="append", choices=MODELS)
     args = ap.parse_args(argv)
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         scores["profile_date"] = prof.provenance.get("date")
         result["in_sample"][model] = scores
         if not args.no_logo:
-            result["leave_one_group_out"][model] = logo(data_dir, model, rows, seeds, max_evals, args.workers)
+            result["leave_one_group_out"][model] = logo(data_dir, model, rows, seeds, max_evals, args.workers,
+                                                        args.max_minutes * 60.0)
         del table
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".json.tmp")

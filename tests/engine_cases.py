@@ -61,6 +61,7 @@ class CaseParams:
     tie_mode: str  # "none" | "dups" | "bursts"
     zero_load_costs: bool
     snap_rounds: int  # rounds of moving arrivals exactly onto step ends of a reference run (see build_case)
+    lru_mode: str = "vllm"  # "vllm" (default walk order) | "shuffled" (a drawn walk order) | "protected"
 
 
 @dataclass
@@ -145,6 +146,7 @@ def _draw_params(d, max_adapters: int = 32, max_requests: int = 300) -> CasePara
     tie_mode = d.choice(("none", "dups", "bursts"))
     zero_load_costs = d.chance(0.1)
     snap_rounds = d.choice((0, 1, 2, 3))
+    lru_mode = d.choice(("vllm", "vllm", "shuffled", "protected"))
     seed = d.integer(0, 2**32 - 1)
     return CaseParams(
         seed=seed, n_adapters=n_adapters, max_loras=max_loras, max_cpu_loras=max_cpu_loras, grid=grid,
@@ -152,7 +154,7 @@ def _draw_params(d, max_adapters: int = 32, max_requests: int = 300) -> CasePara
         max_num_batched_tokens=mnbt, max_num_seqs=mns, client_cap=client_cap, warm_gpu=warm_gpu,
         warm_cpu=warm_cpu, duration_s=duration_s, timeline_dt_s=timeline_dt_s, rate_rps=rate_rps,
         max_requests=max_requests, len_mode=len_mode, tie_mode=tie_mode, zero_load_costs=zero_load_costs,
-        snap_rounds=snap_rounds)
+        snap_rounds=snap_rounds, lru_mode=lru_mode)
 
 
 def random_params(rng: np.random.Generator, max_adapters: int = 32, max_requests: int = 300) -> CaseParams:
@@ -313,7 +315,9 @@ def build_case(p: CaseParams) -> Case:
         load_ms=load_ms, disk_ms=disk_ms, max_loras=p.max_loras, max_cpu_loras=p.max_cpu_loras,
         kv_blocks=kv_blocks, step_coef=model.to_array(), duration_s=p.duration_s,
         max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens, block_size=bs,
-        warm_gpu=p.warm_gpu, warm_cpu=p.warm_cpu, client_cap=p.client_cap, timeline_dt_s=p.timeline_dt_s)
+        warm_gpu=p.warm_gpu, warm_cpu=p.warm_cpu, client_cap=p.client_cap, timeline_dt_s=p.timeline_dt_s,
+        lru_protects_batch=p.lru_mode == "protected",
+        adapter_order=rng.permutation(n_ad) if p.lru_mode == "shuffled" else None)
     for _ in range(p.snap_rounds):
         req = _snap_to_step_end(cfg, req, rng)
     return Case(params=p, cfg=cfg, req=req, step_model=model)
@@ -435,6 +439,11 @@ def compare_results(case: Case, ref: EngineResult, other: EngineResult, rtol: fl
 # ------------------------------------------------------------------------------------------- corner cases
 
 
+# adapters 1 and 2 start resident (warm) and in the batch; walked 2 before 1, so 2 is older; when 1's request
+# ends and 0's joins, walking 0 first evicts 2 (in the batch, not walked yet), which is loaded again at its turn
+CASCADE_ROWS = [(0.0, 1, 1, 2), (0.0, 2, 1, 10), (1.5 / 64.0, 0, 1, 2)]
+
+
 def corner_cases() -> list[Case]:
     """Hand-made cases around the corners of the semantics (all with 1/64 s steps unless noted)."""
     unit = StepModel(c0_ms=15.625, c1_ms_per_req=0.0, lora_form="none")
@@ -491,6 +500,9 @@ def corner_cases() -> list[Case]:
              max_loras=3, warm_gpu=False),
         case("more slots than adapters", [(0.0, 0, 1, 1), (0.0, 1, 1, 1), (0.0, 2, 1, 1)], n_adapters=3,
              max_loras=5, max_cpu_loras=5),
+        *[case(f"lru eviction cascade{suffix}", CASCADE_ROWS, n_adapters=3, max_loras=2, max_cpu_loras=3,
+               adapter_order=np.array([0, 2, 1]), load_ms=np.array([1.0, 2, 4]), lru_protects_batch=protect)
+          for suffix, protect in (("", False), (" (protected batch)", True))],
         case("no requests in window", [(4.0, 0, 1, 1), (5.0, 0, 1, 1)]),
         case("timeline dt larger than window", [(0.0, 0, 5, 5)], timeline_dt_s=10.0),
     ]

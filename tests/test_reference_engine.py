@@ -368,7 +368,8 @@ def test_gpu_lru_eviction_choice():
 
 
 def test_gpu_lru_ties_evict_lowest_index():
-    cfg = make_cfg(n_adapters=4, max_loras=3, warm_gpu=False)
+    # the batch-protecting policy walks in increasing index (vLLM's walk order is tested by the cascade test)
+    cfg = make_cfg(n_adapters=4, max_loras=3, warm_gpu=False, lru_protects_batch=True)
     _, tr = run(cfg, make_req((0.0, 0, 1, 1), (0.0, 1, 1, 1), (1.0, 2, 1, 1), (2.0, 3, 1, 1)))
     assert [s.gpu_loaded for s in tr.steps] == [(0, 1), (2,), (3,)]
     assert tr.steps[2].gpu_evicted == (0,)  # adapters 0 and 1 share stamp 0
@@ -376,7 +377,8 @@ def test_gpu_lru_ties_evict_lowest_index():
 
 def test_cpu_lru_ties_evict_lowest_index():
     # cold, A = N_cpu = 2: adapters 0 and 1 are loaded in the same step (same stamp 0)
-    cfg = make_cfg(n_adapters=3, max_loras=2, max_cpu_loras=2, warm_gpu=False, warm_cpu=False)
+    cfg = make_cfg(n_adapters=3, max_loras=2, max_cpu_loras=2, warm_gpu=False, warm_cpu=False,
+                   lru_protects_batch=True)
     res, tr = run(cfg, make_req((0.0, 0, 1, 1), (0.0, 1, 1, 1), (1.0, 2, 1, 1), (2.0, 0, 1, 1)))
     assert tr.steps[1].cpu_evicted == (0,) and tr.steps[1].gpu_evicted == ()  # 0 also leaves the GPU
     assert tr.steps[2].disk_loaded == (0,) and tr.steps[2].cpu_evicted == (1,)
@@ -482,3 +484,21 @@ def test_rejects_invalid_input():
         simulate_reference(make_cfg(), make_req((0.0, 1, 1, 1)))
     with pytest.raises(ValueError):
         simulate_reference(make_cfg(timeline_dt_s=0.0), make_req((0.0, 0, 1, 1)))
+
+
+def test_lru_eviction_cascade_of_vllms_adapter_walk() -> None:
+    """vLLM walks a batch's adapters in set order and evicts the LRU slot even when it holds an adapter of this
+    batch not walked yet; the policy of twin.md §2.5 protects the batch (one load instead of two)."""
+    from engine_cases import CASCADE_ROWS
+
+    t, a, p, o = zip(*CASCADE_ROWS, strict=True)
+    req = RequestArrays(np.array(t), np.array(a), np.array(p), np.array(o))
+    loads = {}
+    for protect in (False, True):
+        cfg = make_cfg(load_ms=np.array([1.0, 2, 4]), disk_ms=np.zeros(3), max_loras=2, max_cpu_loras=3,
+                       adapter_order=np.array([0, 2, 1]), lru_protects_batch=protect,
+                       step_coef=StepModel(c0_ms=15.625, c1_ms_per_req=0.0, lora_form="none").to_array())
+        res, tr = run(cfg, req)
+        loads[protect] = [(st.gpu_loaded, st.gpu_evicted) for st in tr.steps if st.gpu_loaded]
+    assert loads[False] == [((0, 2), (2, 1))]  # 0 evicts 2 (older), 2 comes back and evicts 1
+    assert loads[True] == [((0,), (1,))]

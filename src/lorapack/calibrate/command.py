@@ -138,6 +138,14 @@ def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] 
     if not moved and log:
         log(f"warning: {model}: the refinement changed no constant (budget {max_evals}, cap {max_wall_s:.0f} s): "
             f"the profile keeps its starting values")
+    # the API server's TTFT share, from these runs simulated with the refined engine constants
+    _s, table = validate_profile(prof.model_copy(update={"frontend": None}), rows, seeds=seeds, lengths=lengths,
+                                 workers=workers)
+    frontend, p_front = fit_frontend(table)
+    prof = prof.model_copy(update={"frontend": frontend})
+    if log:
+        log(f"{model}: API server TTFT overhead {frontend.ttft_overhead_ms:.2f} ms (from {p_front['n_points']} "
+            f"runs without queueing)")
     prov = {
         "method": "scipy least_squares (trf, soft_l1, forward-difference Jacobian) of the log errors of throughput "
                   "and ITL over the runs (a 5% error = 1 unit), priors as Gaussian regularisation "
@@ -145,6 +153,7 @@ def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] 
                   f"each to convergence (ftol/xtol 1e-3) within {max_wall_s:.0f} s for both",
         "refined": moved,
         "converged": bool(stages) and all(s["converged"] for s in stages),
+        "frontend": p_front,
         "free": {n: {"field": FREE_PARAMS[n].field, "unit": FREE_PARAMS[n].unit, "prior_sd": FREE_PARAMS[n].sd,
                      "prior": param_value(n, prior), "refined": param_value(n, prof)} for n in free},
         "anchors": f"{len(anchors)} LoRA overhead runs of the profiling data (decode-only steps, measured "
@@ -236,13 +245,6 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
         if log:
             log(f"{model}: validating on {len(rows)} runs (priors only, then refined)")
         s_prior, table_prior = validate_profile(prior, rows, seeds=seed_list, lengths=lengths, workers=workers)
-        _s, table_engine = validate_profile(prof, rows, seeds=seed_list, lengths=lengths, workers=workers)
-        frontend, p_front = fit_frontend(table_engine)
-        p_ref["frontend"] = p_front
-        if log:
-            log(f"{model}: API server TTFT overhead {frontend.ttft_overhead_ms:.2f} ms (from {p_front['n_points']} "
-                f"runs without queueing)")
-        prof = prof.model_copy(update={"frontend": frontend})
         s_ref, table = validate_profile(prof, rows, seeds=seed_list, lengths=lengths, workers=workers)
         prov["stage"] = "priors (twin.md section 3.5 step 1) + simulation-based refinement (step 2)"
         prov["refinement"] = p_ref

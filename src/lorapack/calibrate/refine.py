@@ -51,8 +51,9 @@ FREE_PARAMS: dict[str, FreeParam] = {p.name: p for p in (
     FreeParam("a3", "a3_ms_per_kctx", 0.05, 0.0, 1.0, "ms per 1000 context tokens"),
     FreeParam("p1", "p1_ms_per_prefill_token", 0.005, 0.0, 0.2, "ms/prefill token"),
     FreeParam("gamma", "gamma", 0.5, -2.0, 3.0, "exponent of (S/8) of every LoRA term (older profiles)"),
-    FreeParam("gamma_token", "gamma_token", 0.5, -1.0, 3.0, "exponent of (S/8) of the per-token LoRA terms"),
-    FreeParam("gamma_adapter", "gamma_adapter", 0.5, -1.0, 3.0, "exponent of (S/8) of the per-adapter LoRA terms"),
+    # a larger slot rank never makes a LoRA term cheaper: the exponents are >= 0
+    FreeParam("gamma_token", "gamma_token", 0.5, 0.0, 3.0, "exponent of (S/8) of the per-token LoRA terms"),
+    FreeParam("gamma_adapter", "gamma_adapter", 0.5, 0.0, 3.0, "exponent of (S/8) of the per-adapter LoRA terms"),
     FreeParam("cv", "runs_lengths.cv", 0.3, 0.4, 1.6, "post-filter CV of the log-normal lengths of the runs"),
     # (a CV the log-normal law cannot reach for a run's pool means is clamped per run, see feasible_cv)
 )}

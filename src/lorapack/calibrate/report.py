@@ -92,6 +92,7 @@ def write_report(out_dir: Path, prof: Profile, profiling: Path, runs_table: list
     _scheduler(out_dir, prof, sched, written)
     if runs_table:
         _runs(out_dir, prof, runs_table, prior_table or [], written)
+        _runs_by_rank(out_dir, prof, runs_table, written)
     return written
 
 
@@ -307,3 +308,32 @@ def _runs(d: Path, prof: Profile, table: list[RunComparison], prior: list[RunCom
             ax.set(xlabel="A (marker size ~ N)", ylabel=f"twin / real - 1 (%), {key.split('_')[0]}")
             ax.set_title(g, fontsize=9)
     _save(fig, d / "runs_residuals.png", written)
+
+
+def _runs_by_rank(d: Path, prof: Profile, table: list[RunComparison], written: list[str]) -> None:
+    """Signed errors per slot rank S (twin - real, % of real), each run a dot, the mean a bar: the rank
+    dependence of the step-time model (per-token vs per-adapter exponents) shows here first."""
+    plt = _plt()
+    ok = [t for t in table if t.scored and t.max_lora_rank is not None]
+    ranks = sorted({t.max_lora_rank for t in ok})
+    if not ranks:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    rng = np.random.default_rng(0)
+    for ax, key, label in zip(axes, ("throughput_tok_s", "itl_ms", "ttft_ms"),
+                              ("throughput", "ITL mean", "TTFT mean (real < 30 s)"), strict=True):
+        for j, s in enumerate(ranks):
+            sel = [t for t in ok if t.max_lora_rank == s and _measured(t, key)
+                   and (key != "ttft_ms" or _measured(t, key) < 30_000)]
+            e = np.array([100 * (_predicted(t, key) / _measured(t, key) - 1) for t in sel], float)
+            e = e[np.isfinite(e)]
+            ax.scatter(j + rng.uniform(-0.15, 0.15, len(e)), e, s=10, alpha=0.6,
+                       color=GROUP_COLORS[j % len(GROUP_COLORS)])
+            if len(e):
+                ax.hlines(e.mean(), j - 0.3, j + 0.3, color="k", lw=2)
+                ax.annotate(f"mean {e.mean():+.1f} %\nn {len(e)}", (j + 0.32, e.mean()), fontsize=7, va="center")
+        ax.axhline(0, color="k", lw=0.6, ls=":")
+        ax.set_xticks(range(len(ranks)), [f"S = {s}" for s in ranks])
+        ax.set_xlim(-0.6, len(ranks) - 0.1)
+        ax.set(ylabel="twin / real - 1 (%)", title=f"{prof.model}: {label}")
+    _save(fig, d / "runs_residuals_by_rank.png", written)

@@ -17,8 +17,11 @@ phase                      vLLM code it mirrors
                            stop at ``max_num_running_reqs``; skip requests whose LoRA would exceed
                            ``max_loras`` (``skipped_waiting_requests``); stop when ``allocate_slots`` fails
 ``_activate_adapters``     the worker's ``LRUCacheWorkerLoRAManager._apply_adapters`` /
-                           ``LRUCacheLoRAModelManager.activate_adapter``: load missing adapters from disk into
-                           the CPU cache and into a GPU slot, evicting the least recently used
+                           ``LRUCacheLoRAModelManager.activate_adapter``: walk the batch's adapters in the
+                           order of a Python set (``adapter_order``), touching each; a missing one is loaded
+                           from disk into the CPU cache and into a GPU slot, evicting the least recently used
+                           one, even an adapter of this batch not touched yet (it is loaded again when its
+                           turn comes: vLLM's eviction cascade)
 ``_step_ms``               the model run (``execute_model``): scheduler CPU time + adapter loads + forward
                            pass, from the calibrated estimators in ``steptime.py``
 ``_update_from_output``    ``update_from_output``: advance ``num_computed_tokens``, sample one token per
@@ -112,6 +115,8 @@ class ServerLimits(NamedTuple):
     step_coef: np.ndarray  # steptime.StepModel.to_array()
     load_ms: np.ndarray  # [adapter] CPU -> GPU activation
     disk_ms: np.ndarray  # [adapter] disk -> CPU load
+    adapter_order: np.ndarray  # [adapter] position in the order the worker walks a batch's adapters
+    lru_protects_batch: bool  # True: eviction never picks an adapter of the current batch (no cascade)
 
 class Requests(NamedTuple):
     """Per request: the arrivals (inputs) and their state."""
@@ -159,13 +164,12 @@ class AdapterCaches(NamedTuple):
     n_running: np.ndarray  # [adapter] running requests
     in_gpu: np.ndarray
     gpu_slots: np.ndarray  # resident adapters, first n_gpu_resident entries
-    gpu_last_step: np.ndarray
+    gpu_last_touch: np.ndarray  # LRU stamp: step * n_adapters + adapter_order (warm start: index - N)
     in_cpu: np.ndarray
     cpu_slots: np.ndarray
-    cpu_last_step: np.ndarray
+    cpu_last_touch: np.ndarray
     batch_step: np.ndarray  # [adapter] last step whose batch used it
     batch: np.ndarray  # the distinct adapters of this step's batch
-    missing: np.ndarray  # those of them not in a GPU slot, in increasing index
 
 class EngineState(NamedTuple):
     requests: Requests
@@ -413,19 +417,20 @@ def _schedule_waiting(lim, st, budget, n_scheduled):
 
 
 @njit(inline="always")
-def _lru_victim(slots, n_resident, last_step, batch_step, step):
-    """Index in ``slots`` of the least recently used resident adapter outside this step's batch.
+def _lru_victim(slots, n_resident, last_touch, batch_step, step, protect_batch):
+    """Index in ``slots`` of the least recently used resident adapter (outside this step's batch when
+    ``protect_batch``).
 
     One always exists: the batch has at most ``max_loras`` adapters and includes the one being loaded,
-    which is not resident, while the caller only evicts from a full cache of >= ``max_loras`` slots."""
+    which is not resident, while the caller only evicts from a full cache of >= ``max_loras`` slots; and the
+    adapters touched in this step are the newest."""
     best = 0
     found = False
     for j in range(n_resident):
         a = slots[j]
-        if batch_step[a] == step:
+        if protect_batch and batch_step[a] == step:
             continue
-        b = slots[best]
-        if not found or last_step[a] < last_step[b] or (last_step[a] == last_step[b] and a < b):
+        if not found or last_touch[a] < last_touch[slots[best]]:  # stamps are distinct
             best = j
             found = True
     return best
@@ -436,7 +441,8 @@ def _evict_cpu(lim, st):
     """Drop the least recently used adapter from the CPU cache (and from its GPU slot, if it has one)."""
     c = st.counters[0]
     ad = st.adapters
-    j = _lru_victim(ad.cpu_slots, c.n_cpu_resident, ad.cpu_last_step, ad.batch_step, c.step)
+    j = _lru_victim(ad.cpu_slots, c.n_cpu_resident, ad.cpu_last_touch, ad.batch_step, c.step,
+                    lim.lru_protects_batch)
     old = ad.cpu_slots[j]
     ad.in_cpu[old] = False
     ad.cpu_slots[j] = ad.cpu_slots[c.n_cpu_resident - 1]
@@ -464,7 +470,8 @@ def _load_adapter(lim, st, a, load_ms):
         load_ms += lim.disk_ms[a]
         c.n_disk_loads += 1
     if c.n_gpu_resident >= lim.max_loras:
-        j = _lru_victim(ad.gpu_slots, c.n_gpu_resident, ad.gpu_last_step, ad.batch_step, c.step)
+        j = _lru_victim(ad.gpu_slots, c.n_gpu_resident, ad.gpu_last_touch, ad.batch_step, c.step,
+                        lim.lru_protects_batch)
         ad.in_gpu[ad.gpu_slots[j]] = False
         ad.gpu_slots[j] = ad.gpu_slots[c.n_gpu_resident - 1]
         c.n_gpu_resident -= 1
@@ -478,12 +485,14 @@ def _load_adapter(lim, st, a, load_ms):
 
 @njit(inline="always")
 def _activate_adapters(lim, st, n_scheduled):
-    """Mark the batch's adapters used (LRU) and load the missing ones in increasing index.
-    Returns (batch tokens, distinct adapters in the batch, load time in ms)."""
+    """Touch the batch's adapters in ``adapter_order`` (the LRU stamp of this step), loading the missing
+    ones as their turn comes. Returns (batch tokens, distinct adapters in the batch, load time in ms)."""
     c = st.counters[0]
     run, ad = st.running, st.adapters
+    n_all = ad.n_running.shape[0]
     n_adapters = 0
     n_tokens = 0
+    n_missing = 0
     for k in range(n_scheduled):
         n_tokens += run.scheduled_tokens[k]
         a = run.adapter[k]
@@ -491,21 +500,24 @@ def _activate_adapters(lim, st, n_scheduled):
             ad.batch_step[a] = c.step
             ad.batch[n_adapters] = a
             n_adapters += 1
-    n_missing = 0
+            if not ad.in_gpu[a]:
+                n_missing += 1
+    load_ms = 0.0
+    if n_missing > 0:  # the walk order matters only when something is loaded: sort by it then
+        for k in range(1, n_adapters):
+            a = ad.batch[k]
+            j = k
+            while j > 0 and lim.adapter_order[ad.batch[j - 1]] > lim.adapter_order[a]:
+                ad.batch[j] = ad.batch[j - 1]
+                j -= 1
+            ad.batch[j] = a
     for k in range(n_adapters):
         a = ad.batch[k]
-        ad.gpu_last_step[a] = c.step
-        ad.cpu_last_step[a] = c.step
-        if not ad.in_gpu[a]:  # insertion sort: loads happen in increasing adapter index
-            j = n_missing
-            while j > 0 and ad.missing[j - 1] > a:
-                ad.missing[j] = ad.missing[j - 1]
-                j -= 1
-            ad.missing[j] = a
-            n_missing += 1
-    load_ms = 0.0
-    for k in range(n_missing):
-        load_ms = _load_adapter(lim, st, ad.missing[k], load_ms)  # summed in this order: bit-identical times
+        if n_missing > 0 and not ad.in_gpu[a]:  # (an adapter evicted earlier in this walk is loaded again)
+            load_ms = _load_adapter(lim, st, a, load_ms)  # summed in walk order: bit-identical times
+        stamp = c.step * n_all + lim.adapter_order[a]
+        ad.gpu_last_touch[a] = stamp
+        ad.cpu_last_touch[a] = stamp
     return n_tokens, n_adapters, load_ms
 
 
@@ -670,10 +682,10 @@ def new_state(cfg: EngineConfig, req: RequestArrays) -> EngineState:
     stamps = np.arange(n_ad, dtype=np.int64) - n_ad  # earlier registered = less recently used
     adapters = AdapterCaches(
         n_running=np.zeros(n_ad, np.int64), in_gpu=np.zeros(n_ad, np.bool_),
-        gpu_slots=np.zeros(max(max_loras, 1), np.int64), gpu_last_step=stamps.copy(),
+        gpu_slots=np.zeros(max(max_loras, 1), np.int64), gpu_last_touch=stamps.copy(),
         in_cpu=np.zeros(n_ad, np.bool_), cpu_slots=np.zeros(max(max_cpu_loras, 1), np.int64),
-        cpu_last_step=stamps.copy(), batch_step=np.full(n_ad, -1, np.int64),
-        batch=np.zeros(max(max_loras, 1) + 1, np.int64), missing=np.zeros(max(max_loras, 1) + 1, np.int64))
+        cpu_last_touch=stamps.copy(), batch_step=np.full(n_ad, -1, np.int64),
+        batch=np.zeros(max(max_loras, 1) + 1, np.int64))
     counters = np.zeros(1, COUNTERS).view(np.recarray)  # records with attribute access, in Python too
     c = counters[0]
     c.free_kv_blocks = int(cfg.kv_blocks)
@@ -701,7 +713,8 @@ def server_limits(cfg: EngineConfig) -> ServerLimits:
         block_size_tokens=int(cfg.block_size), max_num_seqs=int(cfg.max_num_seqs),
         max_num_batched_tokens=int(cfg.max_num_batched_tokens), client_cap_waiting=int(cfg.client_cap),
         duration_s=float(cfg.duration_s), timeline_dt_s=float(cfg.timeline_dt_s), step_coef=cfg.step_coef,
-        load_ms=cfg.load_ms, disk_ms=cfg.disk_ms)
+        load_ms=cfg.load_ms, disk_ms=cfg.disk_ms, adapter_order=cfg.adapter_walk_order(),
+        lru_protects_batch=bool(cfg.lru_protects_batch))
 
 
 class Engine:

@@ -159,6 +159,8 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
     cpu_resident: set[int] = set()
     gpu_stamp = [i - n_adapters for i in range(n_adapters)]
     cpu_stamp = [i - n_adapters for i in range(n_adapters)]
+    walk = [int(x) for x in cfg.adapter_walk_order()]  # each adapter's position in the worker's walk
+    protect = bool(cfg.lru_protects_batch)
     if cfg.warm_gpu:
         for a in range(n_adapters - min(max_loras, n_adapters), n_adapters):
             gpu_resident.add(a)
@@ -310,40 +312,39 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
                 t = duration
             continue
 
-        # 5. adapters: touch every adapter of the step, then load the missing ones in increasing index
-        u_step = sorted({adapter[r] for r, _ in scheduled})
+        # 5. adapters: walk the step's adapters in walk order; touch each (stamp = s * N + its position);
+        #    a missing one is loaded at its turn, evicting the least recently used resident adapter (with
+        #    lru_protects_batch: one outside the step's batch)
+        u_step = sorted({adapter[r] for r, _ in scheduled}, key=lambda a: walk[a])
         u_step_set = set(u_step)
-        for a in u_step:
-            gpu_stamp[a] = s
-            cpu_stamp[a] = s
         step_load_ms = 0.0
         disk_loaded: list[int] = []
         gpu_loaded: list[int] = []
         cpu_evicted: list[int] = []
         gpu_evicted: list[int] = []
         for a in u_step:
-            if a in gpu_resident:
-                continue
-            if a not in cpu_resident:
-                if len(cpu_resident) == max_cpu_loras:
-                    candidates = [c for c in cpu_resident if c not in u_step_set]
-                    victim = min(candidates, key=lambda c: (cpu_stamp[c], c))
-                    cpu_resident.remove(victim)
-                    gpu_resident.discard(victim)  # leaving the CPU cache also leaves the GPU
-                    cpu_evicted.append(victim)
-                cpu_resident.add(a)
-                step_load_ms += adapter_disk_ms[a]
-                n_disk_loads += 1
-                disk_loaded.append(a)
-            if len(gpu_resident) == max_loras:
-                candidates = [g for g in gpu_resident if g not in u_step_set]
-                victim = min(candidates, key=lambda g: (gpu_stamp[g], g))
-                gpu_resident.remove(victim)
-                gpu_evicted.append(victim)
-            gpu_resident.add(a)
-            step_load_ms += adapter_load_ms[a]
-            n_gpu_loads += 1
-            gpu_loaded.append(a)
+            if a not in gpu_resident:
+                if a not in cpu_resident:
+                    if len(cpu_resident) == max_cpu_loras:
+                        candidates = [c for c in cpu_resident if not (protect and c in u_step_set)]
+                        victim = min(candidates, key=lambda c: cpu_stamp[c])
+                        cpu_resident.remove(victim)
+                        gpu_resident.discard(victim)  # leaving the CPU cache also leaves the GPU
+                        cpu_evicted.append(victim)
+                    cpu_resident.add(a)
+                    step_load_ms += adapter_disk_ms[a]
+                    n_disk_loads += 1
+                    disk_loaded.append(a)
+                if len(gpu_resident) == max_loras:
+                    candidates = [g for g in gpu_resident if not (protect and g in u_step_set)]
+                    victim = min(candidates, key=lambda g: gpu_stamp[g])
+                    gpu_resident.remove(victim)
+                    gpu_evicted.append(victim)
+                gpu_resident.add(a)
+                step_load_ms += adapter_load_ms[a]
+                n_gpu_loads += 1
+                gpu_loaded.append(a)
+            gpu_stamp[a] = cpu_stamp[a] = s * n_adapters + walk[a]
 
         # 6. step time
         b = len(scheduled)
@@ -420,7 +421,7 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
             steps.append(StepRecord(
                 s=s, t_start=t, t_end=t_end, injected=tuple(injected), scheduled=tuple(scheduled),
                 admitted=tuple(admitted), victims=tuple(victims), finished=tuple(finished),
-                u_step=tuple(u_step), disk_loaded=tuple(disk_loaded), gpu_loaded=tuple(gpu_loaded),
+                u_step=tuple(sorted(u_step)), disk_loaded=tuple(disk_loaded), gpu_loaded=tuple(gpu_loaded),
                 cpu_evicted=tuple(cpu_evicted), gpu_evicted=tuple(gpu_evicted), budget_left=budget,
                 n_running=n_running_sched, n_waiting=n_waiting_sched, b=b, n_pf=n_pf, n_tok=n_tok,
                 b_dec=b_dec, ctx=ctx, n_lora=n_lora, sched_ms=step_sched_ms, load_ms=step_load_ms,

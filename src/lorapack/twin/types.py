@@ -163,6 +163,14 @@ class EngineConfig:
     # time a request spends outside the engine before the client sees its first token (API server:
     # tokenisation, the hop to the engine core and back, detokenisation, streaming): added to every TTFT
     ttft_overhead_ms: float = 0.0
+    # Adapter LRU (vLLM 0.8.5's ``LRUCacheWorkerLoRAManager._apply_adapters``): every step the worker walks the
+    # batch's adapters in the order of a Python set, touching each and activating a missing one at once, which
+    # evicts the least recently used slot even when that adapter is in the batch but not walked yet (it is
+    # activated again at its turn). ``adapter_order`` is that walk order, a permutation of the adapters (None:
+    # a fixed pseudo-random one, as a set ordered by the hash of the adapter names is); ``lru_protects_batch``
+    # is the simpler policy of twin.md §2.5 (evict only adapters outside the batch, load in increasing index).
+    adapter_order: np.ndarray | None = None
+    lru_protects_batch: bool = False
 
     def __post_init__(self) -> None:
         self.check()
@@ -198,10 +206,33 @@ class EngineConfig:
         if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating) \
                 or not math.isfinite(v) or v < 0:
             raise SpecError(f"ttft_overhead_ms {v!r}: expected a finite number of ms >= 0")
+        if not isinstance(self.lru_protects_batch, bool | np.bool_):
+            raise SpecError(f"lru_protects_batch {self.lru_protects_batch!r}: expected True or False")
+        if self.adapter_order is not None:
+            order = np.asarray(self.adapter_order)
+            if order.ndim != 1 or order.dtype.kind not in "iu" or len(order) != len(self.load_ms) \
+                    or not np.array_equal(np.sort(order), np.arange(len(order))):
+                raise SpecError("adapter_order: expected a permutation of the adapter indices")
+            self.adapter_order = order.astype(np.int64)
+
+    def adapter_walk_order(self) -> np.ndarray:
+        """Each adapter's position in the worker's walk over a batch (see ``adapter_order``)."""
+        n = len(self.load_ms)
+        if self.lru_protects_batch:
+            return np.arange(n, dtype=np.int64)  # twin.md §2.5: loads in increasing index
+        if self.adapter_order is not None:
+            return self.adapter_order
+        return default_walk_order(n)
 
     @property
     def n_adapters(self) -> int:
         return len(self.load_ms)
+
+
+def default_walk_order(n_adapters: int) -> np.ndarray:
+    """A fixed pseudo-random permutation of ``n_adapters`` (the order of a Python set of adapter names is
+    arbitrary but stable within a server's life)."""
+    return np.random.default_rng([0x5E7, n_adapters]).permutation(n_adapters).astype(np.int64)
 
 
 TIMELINE_COLUMNS = (
