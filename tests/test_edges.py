@@ -517,3 +517,18 @@ def test_layouts_fit_80_columns(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(cli_validate, "console", con)
     assert CliRunner().invoke(app, ["validate", str(runs_csv), "--workers", "1"]).exit_code == 0
     assert "SMAPE throughput %" in _assert_fits(con)
+
+
+def test_place_table_fits_80_columns(monkeypatch, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from lorapack.cli import app
+    from lorapack.cli import place as cli_place
+
+    con = _narrow()
+    monkeypatch.setattr(cli_place, "console", con)
+    res = CliRunner().invoke(app, ["place", str(EXAMPLES / "adapters.csv"), "-m", LLAMA, "--method", "round-robin",
+                                   "--gpus", "2", "--no-verify", "--out", str(tmp_path / "plan")])
+    assert res.exit_code == 0, res.output
+    text = _assert_fits(con)
+    assert "--max-loras /" in text and "--max-lora-rank" in text and "binding" in text

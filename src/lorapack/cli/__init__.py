@@ -11,6 +11,7 @@ import sys
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from ..errors import LorapackError
 from . import (
@@ -60,7 +61,7 @@ def main() -> None:
     except LorapackError as e:
         if _DEBUG["on"] or os.environ.get("LORAPACK_DEBUG"):
             raise
-        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except MemoryError:  # past the guards' estimate (or with --force): still one line, not a traceback
         if _DEBUG["on"] or os.environ.get("LORAPACK_DEBUG"):
