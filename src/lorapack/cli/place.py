@@ -93,6 +93,8 @@ def place(
 
     # every check before any work: method, flags, output directory, profile, workload
     check_method(method)
+    if verify_seeds < 1:
+        raise LorapackError(f"--verify-seeds {verify_seeds}: expected an integer >= 1")
     limits = {"max_itl_ms": max_itl_ms, "max_ttft_p99_s": max_ttft_p99_s, "max_itl_p99_ms": max_itl_p99_ms}
     if objective is ObjectiveKind.latency:
         obj = Objective(max_ttft_s=2.0 if max_ttft_s is None else max_ttft_s, **limits)
