@@ -460,3 +460,16 @@ def test_error_text_is_not_read_as_markup(monkeypatch, capsys, tmp_path: Path) -
     d.mkdir()
     code, _, err = run_main(monkeypatch, capsys, "simulate", d / "w.yaml", "-m", LLAMA, "-a", "1")
     assert code == 2 and f"{d / 'w.yaml'}: file not found" in err, err
+
+
+def test_a_dead_worker_is_one_line_not_a_traceback(monkeypatch, capsys) -> None:
+    from concurrent.futures.process import BrokenProcessPool
+
+    import lorapack.twin.run
+
+    def killed(*a, **k):
+        raise BrokenProcessPool("A process in the process pool was terminated abruptly")
+
+    monkeypatch.setattr(lorapack.twin.run, "simulate", killed)
+    code, out, err = run_main(monkeypatch, capsys, "simulate", DEMO, "-m", LLAMA, "-a", "8", "--duration-s", "20")
+    assert code == 1 and err.count("\n") == 1 and "a worker process died abruptly" in err and "Traceback" not in err

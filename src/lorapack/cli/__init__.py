@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures.process import BrokenProcessPool
 from typing import Annotated
 
 import typer
@@ -69,6 +70,13 @@ def main() -> None:
         err_console.print("[red]error:[/red] out of memory: this run needs more memory than is free on this "
                           "machine; use a shorter --duration-s or fewer requests", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except BrokenProcessPool:  # a worker was killed (e.g. by the kernel's OOM killer) or could not start
+        if _DEBUG["on"] or os.environ.get("LORAPACK_DEBUG"):
+            raise
+        err_console.print("[red]error:[/red] a worker process died abruptly (killed, out of memory, or it could "
+                          "not start); run again with --workers 1 to see the cause in this process",
+                          highlight=False, soft_wrap=True)
+        sys.exit(1)
     except (KeyboardInterrupt, BrokenPipeError):
         sys.exit(130)
     except typer.Exit as e:
