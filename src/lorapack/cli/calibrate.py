@@ -59,8 +59,8 @@ def calibrate(
         return
     render_calibration(summary, model, gpu)
     if summary.get("report"):
-        console.print(f"report: {len(summary['report'])} plots in {report}")
-    console.print(f"wrote {summary['profile']}")
+        console.print(f"report: {len(summary['report'])} plots in {report}", markup=False)
+    console.print(f"wrote {summary['profile']}", markup=False)
 
 
 def _param(k: str, v) -> str:
