@@ -438,3 +438,38 @@ def test_debug_flag_is_reset_between_invocations() -> None:
     assert cli._DEBUG["on"] is True
     invoke("profiles")
     assert cli._DEBUG["on"] is False
+
+
+COMMANDS = [c.name for c in app.registered_commands]
+
+
+@pytest.mark.parametrize("cmd", [[], *[[c] for c in COMMANDS]], ids=["lorapack", *COMMANDS])
+def test_help_fits_80_columns(cmd: list[str]) -> None:
+    """Issue 12: in an 80-column terminal no help line is longer, and no option name or value is cut (…)."""
+    res = CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert len(lines) > 5 and not [ln for ln in lines if len(ln.rstrip()) > 80], res.output
+    assert "…" not in res.output, [ln for ln in lines if "…" in ln]
+    assert "shipped profile ." not in res.output  # a "[default: ...]" eaten as console markup
+
+
+def test_error_text_is_not_read_as_markup(monkeypatch, capsys, tmp_path: Path) -> None:
+    """Brackets in an error (a path, "lorapack[ray]") are printed as they are, not taken for style tags."""
+    d = tmp_path / "runs[red]"
+    d.mkdir()
+    code, _, err = run_main(monkeypatch, capsys, "simulate", d / "w.yaml", "-m", LLAMA, "-a", "1")
+    assert code == 2 and f"{d / 'w.yaml'}: file not found" in err, err
+
+
+def test_a_dead_worker_is_one_line_not_a_traceback(monkeypatch, capsys) -> None:
+    from concurrent.futures.process import BrokenProcessPool
+
+    import lorapack.twin.run
+
+    def killed(*a, **k):
+        raise BrokenProcessPool("A process in the process pool was terminated abruptly")
+
+    monkeypatch.setattr(lorapack.twin.run, "simulate", killed)
+    code, out, err = run_main(monkeypatch, capsys, "simulate", DEMO, "-m", LLAMA, "-a", "8", "--duration-s", "20")
+    assert code == 1 and err.count("\n") == 1 and "a worker process died abruptly" in err and "Traceback" not in err

@@ -36,3 +36,17 @@ def test_required_distribution_is_installed(name: str) -> None:
 
 def test_the_list_covers_the_engine_and_property_test_dependencies() -> None:
     assert {"numba", "hypothesis", "ray"} <= set(_requirements())
+
+
+def test_ci_has_the_shared_data() -> None:
+    """Data is a dependency too: the golden tests against ``../shared/data`` skip (with a reason) where it is
+    absent, which is fine on a laptop but would let CI pass without them. In CI (``CI`` set, as ``.ci/run``
+    runs) a missing data directory fails here."""
+    import os
+
+    from lorapack.calibrate import DATA_ENV_VAR, data_dir_available, default_data_dir
+
+    if os.environ.get("CI", "").lower() in ("", "0", "false"):
+        return
+    assert data_dir_available(), (f"CI without the shared data: {default_data_dir()} has no profiling/ "
+                                  f"(set {DATA_ENV_VAR} or put shared/ beside the clone)")

@@ -5,8 +5,8 @@ repository, and every figure quoted in them comes from a bench result file.
   the repository's files whose parent directory holds ``shared/data`` (a link to the real data, so
   ``../shared/data/...`` resolves as in a clone next to it). Lines with ``...`` placeholders, and lines whose
   comment starts with ``not run``, are shown, not run. ```python blocks run as scripts in the same copy.
-* Long examples are shrunk by appending the size flags of ``SHRINK`` (documented in the README's Development
-  section): a shorter window for ``simulate``, ``--limit`` for ``validate`` and ``sweep``. The flags are the
+* Long examples are shrunk by appending the size flags of ``SHRINK`` (documented in the README's tour of the
+  CLI): a shorter window for ``simulate``, ``--limit`` for ``validate`` and ``sweep``. The flags are the
   commands' own, so what runs is still the documented command.
 * ``scripts/doc_figures.py --check``: the generated figure blocks match ``bench/results``.
 """
@@ -105,3 +105,10 @@ def test_examples_are_found() -> None:
     cmds = [t for k, t in examples("README.md") if k == "cmd"]
     assert any(c.startswith("lorapack simulate src/lorapack/examples/demo.yaml") for c in cmds), cmds
     assert not any("..." in c for c in cmds)
+
+
+def test_the_size_flags_are_documented() -> None:
+    """The README says which flags shrink its long examples here: the same as ``SHRINK``."""
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    for cmd, flags in SHRINK.items():
+        assert f"`{' '.join(flags)}` for `{cmd}`" in text, (cmd, flags)

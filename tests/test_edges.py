@@ -270,8 +270,7 @@ CLI_FILES = {"bad.csv": "adapter_id,rank,rate_rps\na,8,-1\n",
 
 
 @st.composite
-def cli_argv(draw) -> list[str]:
-    cmd = draw(st.sampled_from(sorted(OPTIONS)))
+def cli_argv(draw, cmd: str) -> list[str]:
     pool = OPTIONS[cmd]
     argv = [cmd, draw(st.sampled_from(ARGUMENTS[cmd]))]
     opts = draw(st.lists(st.sampled_from(sorted(pool)), unique=True, max_size=6))
@@ -285,16 +284,21 @@ def cli_argv(draw) -> list[str]:
     for o in opts:
         argv += [o, str(draw(st.sampled_from(pool[o])))]
     argv += draw(st.lists(st.sampled_from(FLAGS[cmd]), unique=True, max_size=3))
+    return argv + _bounds(cmd, opts)
+
+
+def _bounds(cmd: str, opts: list[str]) -> list[str]:
+    """Keep a run short where the options leave it long (a shorter window, one sweep configuration)."""
     if cmd == "simulate" and "--duration-s" not in opts:
-        argv += ["--duration-s", "20"]
+        return ["--duration-s", "20"]
     if cmd == "sweep" and "--limit" not in opts:
-        argv += ["--limit", "1"]
-    return argv
+        return ["--limit", "1"]
+    return []
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(argv=cli_argv())
-def test_cli_random_options(worker: Worker, argv: list[str]) -> None:
+def check_cli_outcome(worker: Worker, argv: list[str]) -> None:
+    """A result or a clean error: exit 0 or 2, no traceback, one line for lorapack's own errors, no crash or
+    hang (the worker's time limit), and nothing left behind but the outputs asked for."""
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for name, text in CLI_FILES.items():
@@ -302,17 +306,48 @@ def test_cli_random_options(worker: Worker, argv: list[str]) -> None:
         before = _tree(tmp)
         reply = worker.call({"kind": "cli", "argv": [_sub(a, tmp) for a in argv], "cwd": d}, 60.0)
         made = sorted(_tree(tmp) - before)
-    assert reply["code"] in (0, 2), reply
-    assert "Traceback" not in reply["stderr"] + reply["stdout"], reply["stderr"]
+    assert reply["code"] in (0, 2), (argv, reply)
+    assert "Traceback" not in reply["stderr"] + reply["stdout"], (argv, reply["stderr"])
     if reply["code"] == 2:
         if reply["stderr"].startswith("error:"):  # lorapack's own errors: one line
             assert_clean_error(reply)
         else:  # click's usage errors (a malformed number): its usage box, still no traceback
-            assert "Usage:" in reply["stderr"] or "Error" in reply["stderr"], reply["stderr"]
-        assert made == [], made
+            assert "Usage:" in reply["stderr"] or "Error" in reply["stderr"], (argv, reply["stderr"])
+        assert made == [], (argv, made)
     else:  # the outputs asked for, nothing else (no .tmp, no probe files)
         assert all(m.split("/")[0] in ("tl.csv", "v.csv", "sw") and ".tmp" not in m and "probe" not in m
-                   for m in made), made
+                   for m in made), (argv, made)
+
+
+# one strategy per command (a shared one drew simulate for 1 example in 5), 40 random combinations each
+@pytest.mark.parametrize("cmd", sorted(OPTIONS))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_cli_random_options(worker: Worker, cmd: str, data) -> None:
+    check_cli_outcome(worker, data.draw(cli_argv(cmd), label="argv"))
+
+
+# every listed value of every option at least once, on an otherwise valid command line (random combinations
+# alone reach a rare value by chance only)
+BASE = {"simulate": [DEMO, "--model", LLAMA, "--max-loras", "8", "--duration-s", "20"],
+        "validate": ["{tmp}/runs.csv", "--workers", "1"],
+        "sweep": ["{tmp}/g.yaml", "--out", "{tmp}/sw", "--limit", "1", "--workers", "1"]}
+SINGLE = [(cmd, opt, str(v)) for cmd in sorted(OPTIONS) for opt in sorted(OPTIONS[cmd]) for v in OPTIONS[cmd][opt]]
+SINGLE += [(cmd, flag, None) for cmd in sorted(FLAGS) for flag in FLAGS[cmd]]
+
+
+@pytest.mark.parametrize("cmd, option, value", SINGLE, ids=[f"{c} {o} {v or ''}".strip() for c, o, v in SINGLE])
+def test_cli_each_option_value(worker: Worker, cmd: str, option: str, value: str | None) -> None:
+    base = list(BASE[cmd])
+    if option in ("--model", "--gpu") and "--model" in base:  # the option under test replaces the base's
+        i = base.index("--model")
+        del base[i:i + 2]
+    if option == "--profile":  # --profile with --model is a conflict: tested, but also alone
+        i = base.index("--model") if "--model" in base else None
+        if i is not None:
+            del base[i:i + 2]
+    check_cli_outcome(worker, [cmd, *base, option, *([value] if value is not None else [])])
 
 
 # ---- the shared checks and guards, directly -----------------------------------------------------------------
@@ -517,3 +552,20 @@ def test_layouts_fit_80_columns(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(cli_validate, "console", con)
     assert CliRunner().invoke(app, ["validate", str(runs_csv), "--workers", "1"]).exit_code == 0
     assert "SMAPE throughput %" in _assert_fits(con)
+
+
+def test_place_table_fits_80_columns(monkeypatch, tmp_path: Path) -> None:
+    # --workers 1: placement's own process pool forks this process, and its long-lived children would keep the
+    # edge worker's stdin open (so the worker would never see the end of its input)
+    from typer.testing import CliRunner
+
+    from lorapack.cli import app
+    from lorapack.cli import place as cli_place
+
+    con = _narrow()
+    monkeypatch.setattr(cli_place, "console", con)
+    res = CliRunner().invoke(app, ["place", str(EXAMPLES / "adapters.csv"), "-m", LLAMA, "--method", "round-robin",
+                                   "--gpus", "2", "--no-verify", "--workers", "1", "--out", str(tmp_path / "plan")])
+    assert res.exit_code == 0, res.output
+    text = _assert_fits(con)
+    assert "--max-loras /" in text and "--max-lora-rank" in text and "binding" in text

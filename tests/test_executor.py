@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,3 +79,42 @@ def test_bad_options() -> None:
         Executor(-1)
     with pytest.raises(LorapackError, match="--address is only used with --backend ray"):
         Executor(2, address="127.0.0.1:6379")
+
+
+DYING_WORKER = """
+import os, sys
+from concurrent.futures.process import BrokenProcessPool
+from lorapack.executor import Executor
+
+def job(i, payload):
+    if i == 0:
+        os._exit(3)  # the worker dies abruptly (killed, out of memory, could not start)
+    return len(payload)
+
+if __name__ == "__main__":
+    try:
+        with Executor(workers=2) as ex:  # payloads larger than a pipe's buffer: the feeder blocks on a write
+            ex.map(job, [(i, b"x" * 1_000_000) for i in range(12)])
+    except BrokenProcessPool:
+        print("broken pool reported")
+"""
+
+
+def _interpreters() -> list[str]:
+    """This one, and Debian's python3.11 when present (3.11.2 on Debian 12: it has CPython gh-94777, which
+    ``Executor.close`` works around); the executor needs only the standard library."""
+    found = [sys.executable]
+    system = Path("/usr/bin/python3.11")
+    if system.is_file() and system.resolve() != Path(sys.executable).resolve():
+        found.append(str(system))
+    return found
+
+
+@pytest.mark.parametrize("python", _interpreters())
+def test_a_worker_that_dies_is_an_error_not_a_hang(python: str, tmp_path: Path) -> None:
+    script = tmp_path / "dying.py"
+    script.write_text(DYING_WORKER)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([python, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert p.returncode == 0 and "broken pool reported" in p.stdout, p.stderr[-2000:]

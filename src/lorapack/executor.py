@@ -64,6 +64,23 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="lorapack-parent-watchdog", daemon=True).start()
 
 
+def _unblock_broken_pool(pool: ProcessPoolExecutor) -> None:
+    """After a worker died abruptly (killed, out of memory, could not start): let the pool shut down.
+
+    Python before 3.11.5 (e.g. Debian 12's 3.11.2) then hangs for ever (CPython gh-94777): the pool's feeder
+    thread is blocked writing a job into a pipe no worker reads any more, and shutting down waits for it.
+    Closing the read end makes that write fail and the shutdown finish; later Pythons do it themselves (in the
+    pool's manager thread: closing it here too would race with that)."""
+    if sys.version_info >= (3, 11, 5) or not getattr(pool, "_broken", False):
+        return
+    reader = getattr(getattr(pool, "_call_queue", None), "_reader", None)
+    if reader is not None:
+        try:
+            reader.close()
+        except OSError:
+            pass
+
+
 def _worker_init(parent_pid: int, initializer: Callable[[], Any] | None) -> None:
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # one core per worker: no nested thread pools
     _die_with_parent(parent_pid)
@@ -164,6 +181,7 @@ class Executor:
 
     def close(self) -> None:
         if self._pool is not None:
+            _unblock_broken_pool(self._pool)
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         if self._own_session and self._session is not None:

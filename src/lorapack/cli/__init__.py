@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from concurrent.futures.process import BrokenProcessPool
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from ..errors import LorapackError, LorapackWarning
 from . import (
@@ -60,7 +62,7 @@ def _show_warnings() -> None:
 
     def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings' signature
         if issubclass(category, LorapackWarning):
-            err_console.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
+            err_console.print(f"[yellow]warning:[/yellow] {escape(str(message))}", highlight=False, soft_wrap=True)
         else:
             plain(message, category, filename, lineno, file, line)
 
@@ -76,7 +78,7 @@ def main() -> None:
     except LorapackError as e:
         if _DEBUG["on"] or os.environ.get("LORAPACK_DEBUG"):
             raise
-        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except MemoryError:  # past the guards' estimate (or with --force): still one line, not a traceback
         if _DEBUG["on"] or os.environ.get("LORAPACK_DEBUG"):
@@ -84,6 +86,13 @@ def main() -> None:
         err_console.print("[red]error:[/red] out of memory: this run needs more memory than is free on this "
                           "machine; use a shorter --duration-s or fewer requests", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except BrokenProcessPool:  # a worker was killed (e.g. by the kernel's OOM killer) or could not start
+        if _DEBUG["on"] or os.environ.get("LORAPACK_DEBUG"):
+            raise
+        err_console.print("[red]error:[/red] a worker process died abruptly (killed, out of memory, or it could "
+                          "not start); run again with --workers 1 to see the cause in this process",
+                          highlight=False, soft_wrap=True)
+        sys.exit(1)
     except (KeyboardInterrupt, BrokenPipeError):
         sys.exit(130)
     except typer.Exit as e:

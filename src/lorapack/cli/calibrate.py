@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..calibrate.refine import DEFAULT_FREE
-from .common import console, err_console, fmt, print_json
+from .common import check_workers, console, err_console, fmt, print_json
 
 
 def calibrate(
@@ -49,6 +49,7 @@ def calibrate(
     from ..calibrate.command import calibrate as run_calibration
     from ..errors import DataError
 
+    check_workers(workers)  # the same rule as every command's --workers (before the fits, not after)
     try:
         evals = tuple(int(x) for x in max_evals.split(","))
         if len(evals) != 2 or min(evals) < 0:
@@ -81,8 +82,8 @@ def calibrate(
         return
     render_calibration(summary, model, gpu)
     if summary.get("report"):
-        console.print(f"report: {len(summary['report'])} plots in {report}")
-    console.print(f"wrote {summary['profile']}")
+        console.print(f"report: {len(summary['report'])} plots in {report}", markup=False)
+    console.print(f"wrote {summary['profile']}", markup=False)
 
 
 def _param(k: str, v) -> str:

@@ -101,7 +101,7 @@ def write_csv_atomic(path: Path, columns: dict[str, Any]) -> None:
 
 
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model key, e.g. llama-3.1-8b-instruct.")]
-GpuOpt = Annotated[str | None, typer.Option("--gpu", help=f"GPU key of the shipped profile [default: {DEFAULT_GPU}].")]
+GpuOpt = Annotated[str | None, typer.Option("--gpu", help=f"GPU key of the shipped profile (default: {DEFAULT_GPU}).")]
 ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="Profile YAML (instead of --model/--gpu).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help=limits_help())]

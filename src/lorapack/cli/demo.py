@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from .common import JsonOpt, check_workers, console, fmt, print_json
@@ -151,6 +152,6 @@ def _print(entry: dict, main: str, written: list[str], wall: float, compile_s: f
                   f"{main} (verified by the twin). Clean = every GPU starts, none starved (< 90 % of its tokens "
                   f"served), every mean TTFT <= 2 s.")
     if written:
-        console.print(f"{main}'s plan: [bold]{written[0]}[/bold] (with serve.sh and routes.json beside it).")
+        console.print(f"{main}'s plan: [bold]{escape(str(written[0]))}[/bold] (with serve.sh and routes.json beside it).")
     console.print(f"Done in {wall:.1f} s (engine compile {compile_s:.1f} s, cached after the first run). "
                   f"More: lorapack evaluate --help, docs/evaluation.md.")

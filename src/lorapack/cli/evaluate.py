@@ -145,7 +145,7 @@ def evaluate(
                                   + (f": {', '.join(s['methods'])}" if s["what"] == "method" else "") + ")"
                                   for s in doc["skipped"]))
     if files:
-        console.print(f"Report: {files['report']}  (results.json, figures/ and plans/ beside it)")
+        console.print(f"Report: {files['report']}  (results.json, figures/ and plans/ beside it)", markup=False)
 
 
 def _print_tables(doc: dict) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.table import Table
 
 from ..errors import LorapackError
@@ -49,7 +50,7 @@ def place(
     out: Annotated[Path, typer.Option("--out", help="Output directory for plan.json, serve.sh, routes.json.")
                    ] = Path("plan"),
     objective: Annotated[ObjectiveKind, typer.Option(
-        "--objective", help="latency (default): every GPU keeps mean TTFT <= --max-ttft-s (default 2 s) and is "
+        "--objective", metavar="<kind>", help="latency (default): every GPU keeps mean TTFT <= --max-ttft-s (default 2 s) and is "
                             "not starved; throughput: the paper's criterion only (>= 90 % of the offered tokens).")
     ] = ObjectiveKind.latency,
     max_ttft_s: Annotated[float | None, typer.Option(
@@ -92,6 +93,8 @@ def place(
 
     # every check before any work: method, flags, output directory, profile, workload
     check_method(method)
+    if verify_seeds < 1:
+        raise LorapackError(f"--verify-seeds {verify_seeds}: expected an integer >= 1")
     limits = {"max_itl_ms": max_itl_ms, "max_ttft_p99_s": max_ttft_p99_s, "max_itl_p99_ms": max_itl_p99_ms}
     if objective is ObjectiveKind.latency:
         obj = Objective(max_ttft_s=2.0 if max_ttft_s is None else max_ttft_s, **limits)
@@ -127,16 +130,18 @@ def place(
 
 
 def _render(plan, files: list[Path]) -> None:
+    # fits 80 columns: headers on two lines, the two vLLM flags in one column (values "A / S"), one space apart
     t = Table(title=f"{plan.method}: {plan.gpus_used} GPU(s) for {sum(len(g.adapters) for g in plan.gpus)} "
-                    f"adapter placements ({plan.model} on {plan.gpu_type})", title_justify="left")
-    for col in ("GPU", "adapters", "--max-loras", "--max-lora-rank", "offered tok/s", "verified tok/s",
-                "TTFT s", "ITL ms", "starved", "binding"):
-        t.add_column(col, justify="left" if col in ("binding",) else "right")
+                    f"adapter placements ({plan.model} on {plan.gpu_type})", title_justify="left",
+              box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0))
+    for col in ("GPU", "adapters", "--max-loras /\n--max-lora-rank", "offered\ntok/s", "verified\ntok/s",
+                "TTFT\ns", "ITL\nms", "starved", "binding"):
+        t.add_column(col, justify="left" if col in ("binding",) else "right", no_wrap=True)
     for gi, g in enumerate(plan.gpus):
         m = g.verified or g.predicted
         starved = "-" if m is None else ("[red]yes[/red]" if (m.starved or 0) > 0 or m.starved_adapters
                                          else "[green]no[/green]")
-        t.add_row(str(gi), str(len(g.adapters)), str(g.max_loras), str(g.max_lora_rank), fmt(g.incoming_tok_s, 0),
+        t.add_row(str(gi), str(len(g.adapters)), f"{g.max_loras} / {g.max_lora_rank}", fmt(g.incoming_tok_s, 0),
                   fmt(g.verified.throughput_tok_s, 0) if g.verified else "-",
                   fmt(m.ttft_s, 2) if m else "-", fmt(m.itl_ms, 1) if m else "-", starved, g.binding)
     console.print(t)

@@ -64,4 +64,4 @@ def refine(
     for model, targets in summary.items():
         parts = [f"{t} {v['leaves']} leaves held-out {fmt(v['held_out'], 3)}" for t, v in targets.items()]
         console.print(f"[bold]{model}[/bold]: " + "; ".join(parts))
-    console.print(f"wrote {', '.join(map(str, written))}")
+    console.print(f"wrote {', '.join(map(str, written))}", markup=False)

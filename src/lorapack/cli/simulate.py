@@ -136,9 +136,9 @@ def simulate(
         help="--max-num-batched-tokens: token budget of one step. Default: the profile's (2048, what the "
              "benchmark runs set); vLLM 0.8.5's own `vllm serve` default is 8192 on H100/H200, 2048 elsewhere.")
     ] = None,
-    cold_start: Annotated[bool, typer.Option(help="Start with empty GPU adapter slots.")] = False,
+    cold_start: Annotated[bool, typer.Option("--cold-start", help="Start with empty GPU adapter slots.")] = False,
     early_stop: Annotated[bool, typer.Option(
-        help="Stop once the outcome is clear (healthy, or starving) and extrapolate the run-level metrics "
+        "--early-stop", help="Stop once the outcome is clear (healthy, or starving) and extrapolate the run-level metrics "
              "(needs --client-cap 0; see stop_reason / simulated_s).")] = False,
     timeline: Annotated[Path | None, typer.Option(help="Write the 2 s timeline to this CSV.")] = None,
     force: ForceOpt = False,

@@ -80,4 +80,5 @@ def train(
     for model, targets in summary["profiles"].items():
         parts = [f"{t} {v['family']} {v['metric']} held-out {fmt(v['held_out'], 3)}" for t, v in targets.items()]
         console.print(f"[bold]{model}[/bold]: " + "; ".join(parts))
-    console.print(f"wrote {len(files)} files to {out} (<gpu>__<model>/train_report.md has every family's scores)")
+    console.print(f"wrote {len(files)} files to {out} (<gpu>__<model>/train_report.md has every family's scores)",
+                  markup=False)

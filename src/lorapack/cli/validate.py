@@ -25,6 +25,14 @@ from .common import (
 )
 
 
+def _nested(scores: dict, keys: tuple):
+    for k in keys:
+        if not isinstance(scores, dict) or k not in scores:
+            return None
+        scores = scores[k]
+    return scores
+
+
 def validate(
     runs: Annotated[Path, typer.Argument(help="Real runs CSV (schema of shared/data/real-runs/*.csv).")],
     seeds: Annotated[int, typer.Option(help="Seeds per run; metrics are averaged.")] = 1,
@@ -76,6 +84,13 @@ def validate(
         t.add_column(m, justify="right", no_wrap=True)
     for label, key, digits in (("runs ok / oom / skipped", None, 0), ("SMAPE throughput %", "smape_throughput", 2),
                                ("SMAPE ITL %", "smape_itl", 2), ("SMAPE TTFT %", "smape_ttft", 2),
+                               ("bias throughput % (twin-real)", "bias_throughput_pct", 2),
+                               ("bias ITL % (twin-real)", "bias_itl_pct", 2),
+                               ("SMAPE TTFT p99 / ITL p99 %", ("smape_ttft_p99", "smape_itl_p99"), 1),
+                               ("TTFT < 1 s: median error %", ("ttft_regimes", "lt_1s", "bias_median_pct"), 1),
+                               ("TTFT 1-30 s: median error %", ("ttft_regimes", "1_30s", "bias_median_pct"), 1),
+                               ("mean TTFT <= 2 s agreement", ("ttft_objective_agreement", "2", "agreement"), 3),
+                               ("  optimistic misses", ("ttft_objective_agreement", "2", "optimistic"), 0),
                                ("starved agreement", "starved_agreement", 3),
                                ("  on clear labels", "starved_agreement_clear", 3),
                                ("starved macro-F1", "starved_f1", 3),
@@ -83,10 +98,15 @@ def validate(
                                *((("outside training range", "n_out_of_range", 0),) if engine != "twin" else ())):
         if key is None:
             t.add_row(label, *(f"{s['n_ok']} / {s['n_oom']} / {s['n_skipped']}" for s in models.values()))
+        elif isinstance(key, tuple) and len(key) == 2:  # two scores in one cell
+            t.add_row(label, *(f"{fmt(s.get(key[0]), digits)} / {fmt(s.get(key[1]), digits)}" for s in models.values()))
+        elif isinstance(key, tuple):  # a nested score
+            t.add_row(label, *(fmt(_nested(s, key), digits) for s in models.values()))
         else:
             t.add_row(label, *(fmt(s.get(key), digits) for s in models.values()))
     console.print(t)
-    console.print("SMAPE without the factor 2 (0-100, twin.md §4.3); TTFT = completed-only mean.")
+    console.print("SMAPE without the factor 2 (0-100, twin.md §4.3); TTFT = completed-only mean; --json adds the "
+                  "breakdowns by group and by --max-lora-rank, every TTFT regime and objective (1, 2, 5, 10 s).")
     for m, s in report["models"].items():
         for why, n in s.get("skip_reasons", {}).items():
             console.print(f"skipped {n} run(s) of {m}: {why}", highlight=False)
