@@ -1,6 +1,7 @@
 """Fit the shipped profiles with the full procedure (twin.md §3.5 steps 1-2, §3.6): ``make profiles``.
 
 Usage: python scripts/fit_profiles.py [--data-dir DIR] [--out-dir DIR] [--report-dir DIR] [--model KEY ...]
+       [--start DIR | --from-priors] [--max-minutes M]
 
 For each reference model: closed-form priors from ``DIR/profiling``, simulation-based refinement of the
 step-time constants against ``DIR/real-runs/calibration.csv``, validation on all its runs, fit-report plots,
@@ -8,6 +9,10 @@ and the profile ``<gpu>__vllm-<version>__<model>.yaml`` (exactly ``lorapack cali
 defaults to $LORAPACK_DATA, else ../shared/data next to the repository. Everything is seeded: re-running on
 the same data reproduces the same constants; only ``provenance.date`` changes. It takes a while (hundreds of
 simulated hours per model); it need not run in CI.
+
+The refinement starts from the constants of the profiles in ``--start DIR`` (default: the shipped profiles, a
+warm start: the search then needs few iterations to converge within its wall-time cap), or from the
+closed-form priors with ``--from-priors``. The priors are the regularisation either way.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from lorapack.calibrate import default_data_dir
 from lorapack.calibrate.command import DEFAULT_MAX_EVALS, calibrate, default_profile_name
 from lorapack.calibrate.priors import CALIBRATION_CSV
 from lorapack.errors import LorapackError
-from lorapack.profile import PROFILE_DIR
+from lorapack.profile import PROFILE_DIR, load_profile_file
 
 MODELS = ("llama-3.1-8b-instruct", "qwen-2.5-7b-instruct")
 GPU = "h100-64gb"
@@ -37,16 +42,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-dir", type=Path, default=REPORT_DIR, help="fit-report plots, one folder per model")
     ap.add_argument("--model", action="append", choices=MODELS, help="fit only this model (repeatable)")
     ap.add_argument("--workers", type=int, default=0, help="parallel processes (0 = all cores)")
+    ap.add_argument("--start", type=Path, default=PROFILE_DIR, help="start the refinement from the profiles here "
+                                                                   "(default: the shipped ones)")
+    ap.add_argument("--from-priors", action="store_true", help="start the refinement from the priors")
+    ap.add_argument("--max-minutes", type=float, default=15.0, help="wall-time cap of each model's refinement")
     args = ap.parse_args(argv)
     data_dir = args.data_dir or default_data_dir()
     try:
         for model in args.model or MODELS:
             t0 = time.perf_counter()
             out = args.out_dir / default_profile_name(model, GPU, VLLM_VERSION)
+            start = None
+            start_file = args.start / default_profile_name(model, GPU, VLLM_VERSION)
+            if not args.from_priors and start_file.is_file():
+                start = load_profile_file(start_file)
+                print(f"{model}: refinement starts from {start_file}", file=sys.stderr, flush=True)
             s = calibrate(data_dir / "profiling", model, gpu=GPU, vllm_version=VLLM_VERSION,
                           runs=data_dir / CALIBRATION_CSV, out=out, report=args.report_dir / model,
-                          workers=args.workers, max_evals=DEFAULT_MAX_EVALS,
-                          log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                          workers=args.workers, max_evals=DEFAULT_MAX_EVALS, max_wall_s=args.max_minutes * 60.0,
+                          start=start, log=lambda msg: print(msg, file=sys.stderr, flush=True))
             v = s["validation"]["refined"]
             ref = ", ".join(f"{k}={f['refined']:.4g}" for k, f in s["refinement"]["free"].items())
             print(f"{out}: {ref}\n  validation: SMAPE thr {v['smape_throughput']:.2f} % ITL {v['smape_itl']:.2f} % "

@@ -57,7 +57,7 @@ FREE_PARAMS: dict[str, FreeParam] = {p.name: p for p in (
     FreeParam("cv", "runs_lengths.cv", 0.3, 0.4, 1.6, "post-filter CV of the log-normal lengths of the runs"),
     # (a CV the log-normal law cannot reach for a run's pool means is clamped per run, see feasible_cv)
 )}
-DEFAULT_FREE = ("e0", "e1", "e1p", "e2", "e3", "e4", "gamma_token", "gamma_adapter", "cv")
+DEFAULT_FREE = ("e0", "e1", "e1p", "e2", "e3", "e4", "gamma_token", "gamma_adapter", "a3", "cv")
 CV_FIELD = "runs_lengths.cv"
 DEFAULT_CV = 1.1  # the spec default (twin.md §5): the prior of the fitted CV
 
