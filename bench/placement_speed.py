@@ -73,6 +73,11 @@ class ConstantOracle:
         return out
 
 
+def worker_pid(delay_s: float) -> int:
+    time.sleep(delay_s)
+    return os.getpid()
+
+
 def median_ms(fn, reps: int) -> tuple[float, list[float], object]:
     times, out = [], None
     for _ in range(reps):
@@ -181,7 +186,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from lorapack.errors import LorapackError
-    from lorapack.placement.oracles import learned_oracle, run_parallel
+    from lorapack.placement.oracles import learned_oracle, twin_executor
     from lorapack.profile import find_profile
     from lorapack.twin.engine import warm_up
 
@@ -191,8 +196,11 @@ def main() -> None:
     results: dict = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                      "model": args.model, "machine": platform.platform(), "cpus": os.cpu_count(),
                      "loadavg_start": load0, "workers": args.workers, "reps": args.reps, "instances": {}}
-    # start and warm the twin's worker processes outside every timing
-    run_parallel(warm_up, [()] * args.workers, args.workers)
+    # start and warm the twin's worker processes outside every timing (until every worker has answered)
+    if args.workers > 1:
+        ex = twin_executor(args.workers)
+        while len(set(ex.map(worker_pid, [(0.2,)] * (2 * args.workers)))) < args.workers:
+            pass
     learned: dict[str, object] = {}
     for kind in ("surrogate", "tree"):
         try:

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Acceptance check (issue 11): lorapack works from a read-only install and writes nothing into it.
 #
-#   scripts/check_readonly_install.sh            # uses python3.11; PY=python3.12 to choose another
+#   scripts/check_readonly_install.sh            # picks a python3.11+; PY=python3.12 to choose one
 #
+# The interpreter must be one the unprivileged user can run, worker processes included (when started as
+# root): the first python3.11+ among the system's (/usr/bin, /usr/local/bin), then PATH's, that passes that
+# test. pyenv's, under /root, does not (its workers die at launch).
 # 1. `pip install .` into a fresh virtual environment (a temporary directory, removed at the end);
 # 2. `chmod -R a-w` its site-packages;
 # 3. runs `lorapack demo` and `lorapack simulate ... --json` from outside the repository, as an unprivileged
@@ -14,7 +17,35 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-PY=${PY:-python3.11}
+AS=()
+if [ "$(id -u)" = 0 ]; then  # run as nobody: root would write through the permission bits
+  AS=(setpriv --reuid=65534 --regid=65534 --clear-groups)
+fi
+WHO=${AS[*]:+uid 65534 (nobody)}
+WHO=${WHO:-this user}
+usable() {  # usable PY: a Python >= 3.11 with venv whose worker processes start for that user (spawned)
+  local py
+  py=$(command -v "$1") || return 1
+  (cd / && timeout 60 env -i PATH=/usr/bin:/bin HOME=/nonexistent "${AS[@]}" "$py" -c '
+import sys
+if sys.version_info < (3, 11):
+    sys.exit(1)
+import ensurepip, multiprocessing, venv
+from concurrent.futures import ProcessPoolExecutor
+with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    sys.exit(pool.submit(abs, 0).result())') >/dev/null 2>&1
+}
+if [ -n "${PY:-}" ]; then
+  usable "$PY" || { echo "PY=$PY: not a Python >= 3.11 with venv that $WHO can run, workers included; set PY= to one" >&2; exit 2; }
+else
+  for c in /usr/bin/python3.1{1,2,3,4} /usr/local/bin/python3.1{1,2,3,4} \
+           $(command -v python3.11 python3.12 python3.13 python3.14 python3 2>/dev/null || true); do
+    if [ -x "$c" ] && usable "$c"; then PY=$c; break; fi
+  done
+  [ -n "${PY:-}" ] || { echo "no Python >= 3.11 with venv that $WHO can run, workers included (a system one;" \
+                              "pyenv's under /root is not): install one or set PY=/path/to/python3.11+" >&2; exit 2; }
+fi
+echo "== interpreter $PY ($("$PY" -c 'import platform; print(platform.python_version())'))"
 TMP=$(mktemp -d /tmp/lorapack-ro-XXXXXX)
 cleanup() { chmod -R u+w "$TMP" 2>/dev/null || true; rm -rf "$TMP"; }
 trap cleanup EXIT
@@ -29,11 +60,7 @@ sleep 1
 chmod -R a-w "$SITE"
 echo "== site-packages read-only: $SITE"
 
-AS=()
-if [ "$(id -u)" = 0 ]; then  # run as nobody: root would write through the permission bits
-  chmod 755 "$TMP"
-  AS=(setpriv --reuid=65534 --regid=65534 --clear-groups)
-fi
+[ ${#AS[@]} = 0 ] || chmod 755 "$TMP"
 mkdir -p "$TMP/cache" "$TMP/work"
 chown 65534:65534 "$TMP/cache" "$TMP/work" 2>/dev/null || true
 WL="$SITE/lorapack/examples/demo.yaml"

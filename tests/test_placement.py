@@ -427,3 +427,31 @@ def test_an_oracle_that_refuses_a_light_adapter_alone_is_named_not_the_adapter()
                  **toy_kwargs(10.0, ttft_s=2.5))
     assert plan.infeasible and "oracle refuses adapter" in plan.reason and "proposed-exact" in plan.reason
     assert "split-hot" not in plan.reason
+
+
+def test_twin_runs_on_the_kept_executor_answer_as_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """proposed-exact's twin runs: in-process while workers would not pay for themselves, else on
+    ``lorapack.executor``'s spawned workers, kept across calls; the same answers either way, in job order."""
+    import json
+
+    from lorapack.oracle import GpuCandidate
+    from lorapack.placement import oracles
+
+    cands = [GpuCandidate(profile=LLAMA, ranks=np.array([8, 16] * (n // 2)), rates_rps=np.full(n, rate),
+                          max_loras=a) for n, a, rate in ((8, 4, 0.2), (16, 8, 0.1), (24, 8, 0.3), (32, 16, 0.05))]
+
+    def runs(workers: int) -> str:
+        preds = oracles.ParallelTwinOracle(seeds=(0, 1), duration_s=300.0, workers=workers).predict(cands)
+        return json.dumps([p.extra["runs"] for p in preds], sort_keys=True)
+
+    serial = runs(1)
+    monkeypatch.setattr(oracles, "_EXECUTORS", {})
+    monkeypatch.setattr(oracles, "_in_process_s", 0.0)
+    try:
+        assert runs(2) == serial and not oracles._EXECUTORS  # a small batch: no workers started
+        monkeypatch.setattr(oracles, "WORKER_START_S", 0.0)  # workers always pay: start them
+        assert runs(2) == serial
+        kept = oracles._EXECUTORS[2]
+        assert runs(2) == serial and oracles._EXECUTORS[2] is kept  # the same workers, kept
+    finally:
+        oracles.close_executors()

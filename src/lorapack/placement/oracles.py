@@ -3,7 +3,8 @@
 * ``proposed`` / ``proposed-lat`` -> the learned models (``lorapack.surrogate.load_oracle(kind="surrogate")``),
   ``proposed-fast`` -> the shallow trees (``kind="tree"``), ``proposed-exact`` -> the twin itself
   (``exact_oracle``: one seed, ``EXACT_DURATION_S`` simulated seconds, early termination, answers cached).
-* ``ParallelTwinOracle``: a ``TwinOracle`` whose (candidate, seed) runs go to worker processes and whose
+* ``ParallelTwinOracle``: a ``TwinOracle`` whose (candidate, seed) runs go to worker processes
+  (``lorapack.executor``'s, kept warm across calls; in-process until starting them pays) and whose
   answers are cached by candidate content; every answer keeps its per-seed runs in ``extra["runs"]`` (what
   verification reads).
 
@@ -16,16 +17,16 @@ changes few decisions, and verification (>= 3 seeds, the full hour) checks every
 from __future__ import annotations
 
 import atexit
-import multiprocessing
 import os
-import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LorapackError
+from ..executor import Executor
 from ..oracle import GpuCandidate, Oracle, Prediction, TwinOracle
 from ..profile import Profile
 
@@ -48,40 +49,66 @@ def default_workers() -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# a process pool shared by every placement call of this process (forked once; workers keep numba warm)
+# the twin runs' worker processes (``lorapack.executor``), kept warm across the placement calls of this process
 
-_POOLS: dict[int, ProcessPoolExecutor] = {}
+WORKER_START_S = 1.5  # about what starting the twin's worker processes costs (spawn, imports, engine)
+_EXECUTORS: dict[int, Executor] = {}
+_in_process_s = 0.0  # seconds this process spent on batches of twin runs in-process
 
 
-def _worker_init() -> None:
-    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+def close_executors() -> None:
+    """Stop the kept worker processes (registered to run at exit)."""
+    while _EXECUTORS:
+        _EXECUTORS.popitem()[1].close()
+
+
+def twin_executor(workers: int) -> Executor:
+    """This process's executor of twin runs on ``workers`` worker processes (spawned, the engine compiled once
+    in each): started on first use, kept warm for every later placement call, closed at exit. Use it from the
+    main thread: the kernel stops the workers when the thread that started them ends."""
     from ..twin.engine import warm_up
 
-    warm_up()
+    ex = _EXECUTORS.get(workers)
+    if ex is None:
+        if not _EXECUTORS:
+            atexit.register(close_executors)
+        ex = _EXECUTORS[workers] = Executor(workers, initializer=warm_up)
+    return ex
 
 
-def _shutdown_pools() -> None:
-    for pool in _POOLS.values():
-        pool.shutdown(wait=False, cancel_futures=True)
-    _POOLS.clear()
+def _simulate_all(jobs: list[tuple], workers: int) -> list:
+    """``[TwinOracle.simulate(*job) for job in jobs]`` in job order, on ``workers`` processes when that pays.
 
+    Until this process has started its workers, its batches run here while the rest of the batch (estimated
+    from its jobs done so far) would not pay for starting them (``WORKER_START_S``), and until the process has
+    spent ``2 * WORKER_START_S`` so: a placement with little to simulate (e.g. a few GPUs' verification) is
+    done before workers would be ready. Results do not depend on where jobs run."""
+    global _in_process_s
+    out: list = []
+    if workers > 1 and len(jobs) > 1 and workers not in _EXECUTORS:
+        t_batch = time.perf_counter()
+        while len(out) < len(jobs) and _in_process_s < 2 * WORKER_START_S:
+            left, mean_s = len(jobs) - len(out), (time.perf_counter() - t_batch) / max(1, len(out))
+            if out and left > 1 and mean_s * left * (1 - 1 / workers) > WORKER_START_S:  # workers save more
+                break
+            t0 = time.perf_counter()
+            out.append(TwinOracle.simulate(*jobs[len(out)]))
+            _in_process_s += time.perf_counter() - t0
+    rest = jobs[len(out):]
+    if workers <= 1 or len(rest) <= 1:
+        return out + [TwinOracle.simulate(*job) for job in rest]
+    if threading.current_thread() is not threading.main_thread():  # kept workers would die with this thread
+        from ..twin.engine import warm_up
 
-def run_parallel(fn: Callable, items: Sequence, workers: int) -> list:
-    """``[fn(*item) for item in items]``, spread over ``workers`` processes when there is more than one item."""
-    if workers <= 1 or len(items) <= 1:
-        return [fn(*it) for it in items]
-    pool = _POOLS.get(workers)
-    if pool is None:
-        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        pool = _POOLS[workers] = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init)
-        if len(_POOLS) == 1:
-            atexit.register(_shutdown_pools)
-    futures = [pool.submit(fn, *it) for it in items]
-    return [f.result() for f in futures]
-
-
-def _simulate_one(oracle: TwinOracle, cand: GpuCandidate, seed: int):
-    return oracle.simulate(cand, seed)
+        with Executor(workers, initializer=warm_up) as own:
+            return out + own.map(TwinOracle.simulate, rest)
+    ex = twin_executor(workers)
+    try:
+        return out + ex.map(TwinOracle.simulate, rest)
+    except BrokenProcessPool:  # a worker died (killed, out of memory): fresh workers next time
+        _EXECUTORS.pop(workers, None)
+        ex.close()
+        raise
 
 
 def run_summary(m) -> dict:
@@ -118,7 +145,7 @@ class ParallelTwinOracle(TwinOracle):
         plain = TwinOracle(seeds=self.seeds, duration_s=self.duration_s, early_stop=self.early_stop)
         jobs = [(plain, c, s) for c in todo.values() for s in self.seeds]
         t0 = time.perf_counter()
-        runs = run_parallel(_simulate_one, jobs, self.workers)
+        runs = _simulate_all(jobs, self.workers)
         self.sim_wall_s += time.perf_counter() - t0
         self.n_simulations += len(jobs)
         ns = len(self.seeds)
