@@ -177,6 +177,29 @@ def test_calibrate_refinement_smoke(data_dir: Path, tmp_path: Path) -> None:
     (stage,) = ref["stages"]
     assert stage["runs"] == len(light) and stage["cost_end"] <= stage["cost_start"]
     assert np.isfinite(val["refined"]["smape_throughput"]) and np.isfinite(val["refined"]["smape_itl"])
+    assert stage["iterations"] >= 1 and isinstance(stage["converged"], bool) and stage["status"]
+    assert ref["refined"] is True and "frontend" in ref and p.frontend is not None
+    assert p.frontend.ttft_overhead_ms == pytest.approx(ref["frontend"]["ttft_overhead_ms"])
+    assert val["guard"]["n_runs"] >= 1 and "smape_throughput" in val["guard"]["scores"]
+
+
+def test_calibrate_says_when_nothing_was_refined(data_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """``--max-evals 0,0`` writes the starting constants: the profile and the output say they are not refined."""
+    with (data_dir / CALIBRATION_CSV).open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["model"] == LLAMA]
+    light = [r for r in rows if r["status"] == "ok" and r["run_id"].endswith(("___8_8_16_", "___16_16_16_"))]
+    runs = tmp_path / "runs.csv"
+    with runs.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(light)
+    out = tmp_path / "p.yaml"
+    code, _out, err = run_main(monkeypatch, capsys, "calibrate", "--profiling", str(data_dir / "profiling"), "-m",
+                               LLAMA, "--runs", str(runs), "--out", str(out), "--max-evals", "0,0", "--workers", "1")
+    assert code == 0, err
+    assert "changed no constant" in err
+    ref = load_profile_file(out).provenance["refinement"]
+    assert ref["refined"] is False and ref["stages"] == []
 
 
 # ---- bad input: one line, exit 2, no profile written -----------------------------------------------------

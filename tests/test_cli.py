@@ -96,7 +96,7 @@ def test_simulate_human_output() -> None:
     # the server's flags under vLLM's names (issue 12), not "A=16, S=16"
     assert "--max-loras 16" in " ".join(out.replace("│", " ").split())
     assert "--max-lora-rank 16" in " ".join(out.replace("│", " ").split())
-    for label in ("throughput (tok/s)", "incoming (tok/s)", "starved", "ITL mean (ms)", "TTFT penalised mean",
+    for label in ("throughput (tok/s)", "incoming (tok/s)", "starved", "ITL mean / p99 (ms)", "TTFT penalised mean",
                   "requests arrived / completed", "KV cache (tokens)", "wall time (s)"):
         assert label in out, label
 

@@ -168,9 +168,19 @@ def _log_err(pred: float | None, real: float | None) -> float:
     return math.log(pred / real)
 
 
-def data_residuals(rows: Sequence[dict], preds: Sequence[RunPrediction], itl_weight: float = 1.0) -> np.ndarray:
-    """Per scored run: log throughput error and (weighted) log ITL error, in units of RESIDUAL_SCALE."""
+GROUP_BIAS_WEIGHT = 2.0  # x sqrt(runs in the group): a group's mean throughput error is a residual too
+
+
+def data_residuals(rows: Sequence[dict], preds: Sequence[RunPrediction], itl_weight: float = 1.0,
+                   group_weight: float = GROUP_BIAS_WEIGHT) -> np.ndarray:
+    """Per scored run: log throughput error and (weighted) log ITL error, in units of RESIDUAL_SCALE; then per
+    run group (``realruns.run_group``: rank x load in the reference data) the mean log throughput error times
+    ``group_weight * sqrt(runs)``: per-run errors alone leave a group biased (e.g. the saturated high-rate
+    runs ~1.5 % high while the light ones are ~1 % low), and a bias is what costs or wastes GPUs."""
+    from ..realruns import run_group
+
     res = []
+    by_group: dict[str, list[float]] = {}
     for r, p in zip(rows, preds, strict=True):
         if (r.get("status") or "").strip() != "ok" or p.oom:
             continue
@@ -179,6 +189,9 @@ def data_residuals(rows: Sequence[dict], preds: Sequence[RunPrediction], itl_wei
         # a run the candidate cannot score (e.g. nothing completed) gets a large, finite penalty
         res.append(et if math.isfinite(et) else 1.0)
         res.append(itl_weight * (ei if math.isfinite(ei) else 1.0))
+        by_group.setdefault(run_group(r.get("run_id") or ""), []).append(res[-2])
+    if group_weight > 0:
+        res.extend(group_weight * math.sqrt(len(e)) * float(np.mean(e)) for _g, e in sorted(by_group.items()))
     return np.asarray(res, float) / RESIDUAL_SCALE
 
 

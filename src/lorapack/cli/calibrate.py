@@ -40,8 +40,9 @@ def calibrate(
     start: Annotated[Path | None, typer.Option("--start", help="Start the refinement from this profile's "
                                                "constants instead of the priors (the priors stay the "
                                                "regularisation).")] = None,
-    free: Annotated[str, typer.Option("--free", help="Step-time constants to refine (comma-separated).")
-                    ] = ",".join(DEFAULT_FREE),
+    free: Annotated[str, typer.Option("--free", show_default=False,
+                                      help="Step-time constants to refine (comma-separated); default: "
+                                           + ", ".join(DEFAULT_FREE) + ".")] = ",".join(DEFAULT_FREE),
     workers: Annotated[int, typer.Option(help="Parallel processes (0 = all cores).")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
