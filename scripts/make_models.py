@@ -13,8 +13,10 @@ hand; sweeps resume, so an interrupted run continues where it stopped):
    and the training report;
 4. ``lorapack refine`` -> ``tree.npz`` beside each surrogate.
 
-Timings per stage go to ``src/lorapack/models/make_models.json``. ``--limit K`` runs the first K configs of
-each grid's fixed shuffle (a quick, smaller dataset); ``--workers`` is passed to the sweeps.
+Timings per stage go to ``src/lorapack/models/make_models.json``. ``--limit K`` runs, of each grid, whole
+N-series of its fixed seeded shuffle of series until at least K configs (``lorapack sweep --limit``: a quick,
+smaller dataset in which N-series pruning acts as in the full grid); ``--workers`` is passed to the sweeps.
+``lorapack sweep --preset paper-llama --boundary-seeds 1 --estimate`` projects the first stage's time.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=ROOT / "build" / "models-data", help="sweep directories")
     ap.add_argument("--out", type=Path, default=MODELS, help="model directory")
-    ap.add_argument("--limit", type=int, default=None, help="first K configs of each grid (quick run)")
-    ap.add_argument("--additions-limit", type=int, default=None, help="first K configs of each additions grid")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="quick run: whole N-series of each grid's fixed shuffle until at least K configs")
+    ap.add_argument("--additions-limit", type=int, default=None,
+                    help="the same for the additions grids (default: --limit)")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=1500.0, help="training budget per profile")
     ap.add_argument("--profiles", default="llama,qwen")

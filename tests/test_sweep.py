@@ -190,14 +190,20 @@ def test_config_id_is_stable_and_seed_dependent():
     assert out.stdout.strip() == c.config_id
 
 
-def test_limit_is_a_fixed_seeded_prefix():
+def test_limit_is_a_fixed_seeded_prefix_of_whole_series():
     g = preset_grid("paper-llama")
     a = [c.config_id for c in select_configs(g, 50)]
     assert a == [c.config_id for c in select_configs(g, 50)]
-    assert a[:10] == [c.config_id for c in select_configs(g, 10)]
-    assert len(set(a)) == 50
-    assert a != [c.config_id for c in enumerate_configs(g)[:50]]  # shuffled, not the canonical head
+    ten = [c.config_id for c in select_configs(g, 10)]
+    assert a[: len(ten)] == ten and 10 <= len(ten) <= len(a)  # a larger K extends the same sample
+    assert 50 <= len(a) == len(set(a)) < 50 + 11  # whole series (at most 11 configs) until >= 50
+    assert a != [c.config_id for c in enumerate_configs(g)[: len(a)]]  # shuffled, not the canonical head
     assert a != [c.config_id for c in select_configs(with_overrides(g, seed=1), 50)]
+    # golden: the first series of the shuffle; changing it silently would make `--limit K --resume` of an
+    # existing sample run other series (tests/test_sweep_sample.py checks the whole-series property)
+    first = select_configs(g, 1)
+    assert first[0].series_id == "abce2db366990eaf" and len(first) == len(
+        [c for c in enumerate_configs(g) if c.series_key == first[0].series_key])
     with pytest.raises(SpecError, match="--limit 0"):
         select_configs(g, 0)
 
@@ -325,10 +331,17 @@ def test_resume_after_a_crash_gives_the_uninterrupted_rows(tmp_path):
 def test_resume_with_a_larger_limit_extends_the_prefix(tmp_path):
     g = load_grid(_grid(tmp_path))
     out = tmp_path / "out"
-    assert run_sweep(g, out, workers=1, limit=5, shortcuts=Shortcuts(prune=False))["rows"] == 5
-    s = run_sweep(g, out, workers=1, limit=12, resume=True, shortcuts=Shortcuts(prune=False))
-    assert (s["already_done"], s["rows"]) == (5, 7)
-    assert set(_comparable(out)) == {c.config_id for c in select_configs(g, 12)}
+    five, twelve = select_configs(g, 5), select_configs(g, 12)
+    assert 5 <= len(five) < len(twelve) and [c.config_id for c in twelve[: len(five)]] == [
+        c.config_id for c in five]
+    assert run_sweep(g, out, workers=1, limit=5)["rows"] == len(five)
+    assert run_sweep(g, out, workers=1, limit=5, resume=True)["rows"] == 0  # the same selection: nothing left
+    s = run_sweep(g, out, workers=1, limit=12, resume=True)
+    assert (s["already_done"], s["rows"]) == (len(five), len(twelve) - len(five))
+    assert set(_comparable(out)) == {c.config_id for c in twelve}
+    # whole series, pruning included: the rows are those of an uninterrupted run of the same limit
+    run_sweep(g, tmp_path / "ref", workers=1, limit=12)
+    assert _comparable(out) == _comparable(tmp_path / "ref")
 
 
 KILL_SCRIPT = """
@@ -443,11 +456,12 @@ def test_cli_json_summary_and_resume(tmp_path, monkeypatch, capsys):
     assert code == 0, err
     s = json.loads(out)
     assert {"rows", "simulated", "skipped_oom", "grid_size", "configs_per_s", "out"} <= set(s)
-    assert (s["rows"], s["grid_size"], s["out"]) == (7, 20, str(tmp_path / "o"))
+    seven = len(select_configs(load_grid(grid), 7))  # whole series until >= 7 configs
+    assert (s["rows"], s["grid_size"], s["out"]) == (seven, 20, str(tmp_path / "o")) and seven >= 7
     code, out, err = _cli(monkeypatch, capsys, "sweep", str(grid), "--out", str(tmp_path / "o"), "--workers",
                           "1", "--resume", "--json")
     assert code == 0, err
-    assert json.loads(out)["rows"] == 13
+    assert json.loads(out)["rows"] == 20 - seven
     code, out, _ = _cli(monkeypatch, capsys, "sweep", "--preset", "paper-qwen", "--print-grid")
     assert code == 0 and "qwen-2.5-7b-instruct" in out and "rate_pool_rps" in out
 

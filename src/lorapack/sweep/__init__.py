@@ -6,24 +6,31 @@ API::
     grid = preset_grid("paper-llama")            # or load_grid("grid.yaml")
     summary = run_sweep(grid, "out/", workers=0, limit=1000, resume=True, shortcuts=Shortcuts(prune=True))
     table = read_rows("out/")                    # pyarrow.Table, one row per config
+    est = estimate_sweep(grid, workers=2)        # a timed sample of whole N-series -> est["projected_wall_s"]
+
+``limit=K`` (``--limit K``) takes whole N-series, in a seeded shuffle of the series, until at least K configs.
 
 CLI: ``lorapack sweep GRID|--preset NAME --out DIR [--backend local|ray] [--address ADDR] [--workers N]
-[--limit K] [--resume] [--no-early-stop] [--no-prune] [--seed S] [--model M] [--gpu G] [--json]``.
+[--limit K] [--resume] [--no-early-stop] [--no-prune] [--seed S] [--model M] [--gpu G] [--json]``, or
+``lorapack sweep GRID|--preset NAME --estimate [--estimate-configs K] ...`` (nothing written).
 """
 
 from __future__ import annotations
 
 from ..executor import BACKENDS
+from .estimate import estimate_sweep
 from .grid import (
     PRESETS,
     GridSpec,
     SweepConfig,
     enumerate_configs,
     grid_yaml,
+    group_series,
     limit_order,
     load_grid,
     preset_grid,
     select_configs,
+    shuffled_series,
     with_overrides,
 )
 from .runner import build_units, run_sweep
@@ -43,7 +50,9 @@ __all__ = [
     "build_units",
     "early_stop_available",
     "enumerate_configs",
+    "estimate_sweep",
     "grid_yaml",
+    "group_series",
     "limit_order",
     "load_grid",
     "preset_grid",
@@ -52,5 +61,6 @@ __all__ = [
     "run_sweep",
     "run_unit",
     "select_configs",
+    "shuffled_series",
     "with_overrides",
 ]

@@ -53,7 +53,7 @@ from ..textfiles import validate_yaml_file
 ASSIGNMENT_SCHEME = "round-robin+seeded-shuffle/v1"
 STREAM_RATE_SHUFFLE = 0x7A7E  # SeedSequence keys (non-zero; see workload.generate)
 STREAM_RANK_SHUFFLE = 0x7A4C
-STREAM_LIMIT_SHUFFLE = 0x11A1
+STREAM_LIMIT_SHUFFLE = 0x11A2  # v2 shuffles whole N-series (v1, 0x11A1, shuffled single configs)
 STREAM_RATE_LAW = 0x7A1A
 STREAM_PLACEMENT_LIKE = 0x91AC
 MIN_RATE_RPS = 1e-6
@@ -518,20 +518,52 @@ def boundary_configs(configs: list[SweepConfig], ratios: dict[str, float], extra
     return out
 
 
-def limit_order(grid: GridSpec) -> np.ndarray:
-    """The fixed, seeded shuffle of the grid's canonical order that ``--limit K`` takes a prefix of."""
+def group_series(configs: list[SweepConfig]) -> list[list[SweepConfig]]:
+    """``configs`` grouped into N-series (same ``series_key``; twin.md §7.5), in order of first appearance,
+    each by increasing N."""
+    series: dict[tuple, list[SweepConfig]] = {}
+    for c in configs:
+        series.setdefault(c.series_key, []).append(c)
+    return [sorted(cs, key=lambda c: c.served_adapters) for cs in series.values()]
+
+
+def limit_order(grid: GridSpec, n_series: int | None = None) -> np.ndarray:
+    """The fixed, seeded shuffle of the grid's N-series (indices into ``group_series(enumerate_configs(grid))``)
+    that ``--limit K`` takes whole series from. ``n_series``: their number, when the caller has it."""
+    if n_series is None:
+        n_series = len(group_series(enumerate_configs(grid)))
     rng = np.random.default_rng([STREAM_LIMIT_SHUFFLE, *grid.seeds])
-    return rng.permutation(grid.size)
+    return rng.permutation(n_series)
+
+
+def shuffled_series(grid: GridSpec) -> list[list[SweepConfig]]:
+    """Every N-series of the grid in ``limit_order``: what ``--limit`` and ``--estimate`` take prefixes of."""
+    series = group_series(enumerate_configs(grid))
+    return [series[i] for i in limit_order(grid, len(series))]
+
+
+def take_series(series: list[list[SweepConfig]], limit: int) -> list[list[SweepConfig]]:
+    """The shortest prefix of ``series`` holding at least ``limit`` configs (all of them if fewer)."""
+    out, n = [], 0
+    for s in series:
+        if n >= limit:
+            break
+        out.append(s)
+        n += len(s)
+    return out
 
 
 def select_configs(grid: GridSpec, limit: int | None = None) -> list[SweepConfig]:
-    """All configs (canonical order), or the first ``limit`` of the seeded shuffle (in shuffle order)."""
-    configs = enumerate_configs(grid)
+    """All configs (canonical order), or (``limit``) whole N-series of the grid's seeded shuffle of series
+    until at least ``limit`` configs are taken (series in shuffle order, each by increasing N).
+
+    Whole series, so that N-series pruning acts on a sample as on the full grid (a sample's time per config
+    is then the full sweep's); a larger ``limit`` extends the same sample (a prefix of one fixed order)."""
     if limit is None:
-        return configs
-    if limit < 1:
+        return enumerate_configs(grid)
+    if isinstance(limit, bool) or limit < 1:
         raise SpecError(f"--limit {limit}: expected an integer >= 1")
-    return [configs[i] for i in limit_order(grid)[:limit]]
+    return [c for s in take_series(shuffled_series(grid), limit) for c in s]
 
 
 # ---------------------------------------------------------------------------------------------------------

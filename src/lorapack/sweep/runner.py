@@ -15,7 +15,7 @@ from ..executor import BACKENDS, Executor, RaySession, default_workers
 from ..fingerprint import twin_fingerprint
 from ..guards import Limits, check
 from ..profile import Profile, find_profile
-from .grid import GridSpec, SweepConfig, boundary_configs, select_configs
+from .grid import GridSpec, SweepConfig, boundary_configs, group_series, select_configs
 from .store import (
     FORMAT_VERSION,
     META_FILE,
@@ -67,11 +67,7 @@ def build_units(configs: list[SweepConfig], prune: bool, limits: Limits | None =
     if not prune:
         units = [WorkUnit([c], limits=limits) for c in configs]
     else:
-        series: dict[tuple, list[SweepConfig]] = {}
-        for c in configs:
-            series.setdefault(c.series_key, []).append(c)
-        units = [WorkUnit(sorted(cs, key=lambda c: c.served_adapters), prune=True, limits=limits)
-                 for cs in series.values()]
+        units = [WorkUnit(cs, prune=True, limits=limits) for cs in group_series(configs)]
     first = {}
     for u in units:
         first.setdefault((u.configs[0].seed, u.configs[0].rate_tuple), len(first))
@@ -88,11 +84,14 @@ def _worker_warm_up() -> None:
 
 
 def execute(units: list[WorkUnit], profile: Profile, shortcuts: Shortcuts, backend: str = "local",
-            workers: int = 0, address: str | None = None,
-            session: RaySession | None = None) -> Iterator[tuple[WorkUnit, list[dict]]]:
-    """Run ``units`` with the executor (``lorapack.executor``); yields ``(unit, rows)`` as units complete."""
+            workers: int = 0, address: str | None = None, session: RaySession | None = None,
+            unit_fn: Callable[[WorkUnit, Profile, Shortcuts], list[dict]] = run_unit,
+            ) -> Iterator[tuple[WorkUnit, list[dict]]]:
+    """Run ``units`` with the executor (``lorapack.executor``); yields ``(unit, rows)`` as units complete.
+
+    ``unit_fn``: ``run_unit`` or a picklable wrapper of it (``--estimate`` times the arrivals with one)."""
     with Executor(workers, backend, address, initializer=_worker_warm_up, session=session) as ex:
-        for i, rows in ex.imap(run_unit, ((u, profile, shortcuts) for u in units)):
+        for i, rows in ex.imap(unit_fn, ((u, profile, shortcuts) for u in units)):
             yield units[i], rows
 
 
@@ -112,12 +111,19 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
               workers: int = 0, limit: int | None = None, resume: bool = False,
               shortcuts: Shortcuts = Shortcuts(), configs: list[SweepConfig] | None = None,
               progress: bool = False, flush_rows: int = FLUSH_ROWS, flush_s: float = FLUSH_S,
-              on_unit: Callable[[WorkUnit, list[dict]], None] | None = None, limits: Limits | None = None) -> dict:
+              on_unit: Callable[[WorkUnit, list[dict]], None] | None = None, limits: Limits | None = None,
+              timings: dict | None = None,
+              unit_fn: Callable[[WorkUnit, Profile, Shortcuts], list[dict]] = run_unit) -> dict:
     """Run (or continue) a sweep of ``grid`` into ``out``; returns the summary dict.
 
-    ``configs`` replaces the grid's selection (benches use it to run a sample); ``limit`` takes the first K
-    configs of the grid's fixed seeded shuffle. Rows are appended as atomic Parquet parts after every
-    ``flush_rows`` rows or ``flush_s`` seconds (whole units only), and once more at the end or on an error.
+    ``configs`` replaces the grid's selection (benches and ``--estimate`` use it to run a sample); ``limit``
+    takes whole N-series of the grid's fixed seeded shuffle of series until at least K configs
+    (``grid.select_configs``). ``timings`` (a dict, filled in; seconds since the start): ``setup_s`` (until the
+    workers start), ``oom_rows_s`` (building OOM rows, part of the setup), ``phases`` (``[start, end]`` of each
+    executor run: the grid, then the boundary seeds); ``unit_fn`` replaces ``run_unit`` (see ``execute``).
+
+    Rows are appended as atomic Parquet parts after every ``flush_rows`` rows or ``flush_s`` seconds (whole
+    units only), and once more at the end or on an error.
 
     Before anything is created: ``out`` must be (or be creatable as) a writable directory, and every config
     must fit ``limits`` (``guards``). A sweep that fails before writing its first part removes what it
@@ -208,14 +214,21 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
                            console=Console(stderr=True))
             bar.start()
             task = bar.add_task(f"sweep {grid.name}", total=len(todo))
+        tm = timings if timings is not None else {}
+        tm["phases"] = []
         try:
+            t_oom = time.perf_counter()
             take([oom_row(c, profile) for c in oom])
+            tm["oom_rows_s"] = time.perf_counter() - t_oom
             if bar is not None:
                 bar.advance(task, len(oom))
             if buffer:
                 flush()
+            tm["setup_s"] = time.perf_counter() - t0
+
             def run_units(units: list[WorkUnit]) -> None:
-                for unit, rows in execute(units, profile, shortcuts, backend, workers, address, session):
+                start = time.perf_counter() - t0
+                for unit, rows in execute(units, profile, shortcuts, backend, workers, address, session, unit_fn):
                     take(rows)
                     if on_unit is not None:
                         on_unit(unit, rows)
@@ -223,6 +236,7 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
                         bar.advance(task, len(rows))
                     if len(buffer) >= flush_rows or time.perf_counter() - last_flush >= flush_s:
                         flush()
+                tm["phases"].append([start, time.perf_counter() - t0])
 
             run_units(units)
             if grid.boundary_seeds and configs:

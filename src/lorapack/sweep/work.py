@@ -178,9 +178,13 @@ def _num(v, kind=float):
 # with the same N replays the same requests (common random numbers), so a worker keeps recent ones.
 REQUEST_CACHE_BUDGET = 6_000_000  # requests held per process (~20 bytes each)
 _request_cache: OrderedDict[tuple, object] = OrderedDict()
+# this process's generation work so far: a sample reuses arrivals less than a full sweep, so --estimate
+# (sweep.estimate) measures the generation apart from the simulation
+_arrivals_generated = {"s": 0.0, "requests": 0}
 
 
-def _arrivals_key(cfg: SweepConfig) -> tuple:
+def arrivals_key(cfg: SweepConfig) -> tuple:
+    """What a config's arrivals depend on (configs with equal keys replay the same requests)."""
     return (cfg.seed, cfg.served_adapters, cfg.rate_tuple, cfg.rate_law, cfg.pad_fraction, cfg.explicit_rates,
             cfg.lengths_kind, cfg.mean_input_tokens, cfg.mean_output_tokens, cfg.lengths_cv, cfg.duration_s)
 
@@ -193,16 +197,19 @@ def config_requests(cfg: SweepConfig, limits: Limits | None = None):
     from ..spec import Adapter, PoissonArrivals, Workload
     from ..workload import generate_requests
 
-    key = _arrivals_key(cfg)
+    key = arrivals_key(cfg)
     req = _request_cache.get(key)
     if req is not None:
         _request_cache.move_to_end(key)
         return req
+    t0 = time.perf_counter()  # a cache miss: building the workload and generating it
     rates = cfg.rates_rps()
     # ranks play no part in generation; rank 8 keeps the workload valid
     wl = Workload(adapters=[Adapter(adapter_id=f"a{i}", rank=8, rate_rps=float(q)) for i, q in enumerate(rates)],
                   lengths=cfg.lengths(), arrivals=PoissonArrivals(), duration_s=cfg.duration_s)
     req = generate_requests(wl, cfg.duration_s, cfg.seed, limits)
+    _arrivals_generated["s"] += time.perf_counter() - t0
+    _arrivals_generated["requests"] += len(req)
     if len(req) <= REQUEST_CACHE_BUDGET:
         _request_cache[key] = req
         held = sum(len(r) for r in _request_cache.values())
@@ -214,6 +221,11 @@ def config_requests(cfg: SweepConfig, limits: Limits | None = None):
 
 def clear_request_cache() -> None:
     _request_cache.clear()
+
+
+def arrivals_generated() -> tuple[float, int]:
+    """``(seconds, requests)`` this process has spent generating arrivals (cache misses) so far."""
+    return _arrivals_generated["s"], _arrivals_generated["requests"]
 
 
 def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts, limits: Limits | None = None
