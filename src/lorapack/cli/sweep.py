@@ -39,7 +39,7 @@ def sweep(
     prune: Annotated[bool, typer.Option("--prune/--no-prune", help="N-series pruning.")] = True,
     seed: Annotated[int | None, typer.Option(help="Run the grid with this one seed.")] = None,
     boundary_seeds: Annotated[int | None, typer.Option(
-        help="Extra seeds for configs whose throughput ratio lands in 0.8-1.0 (the 0.9 label boundary).")] = None,
+        help="Extra seeds for configs whose throughput ratio lands in 0.85-0.95 (the 0.9 label boundary).")] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Override the grid's model.")] = None,
     gpu: Annotated[str | None, typer.Option("--gpu", help="Override the grid's GPU.")] = None,
     print_grid: Annotated[bool, typer.Option("--print-grid", help="Print the grid as YAML and exit.")] = False,
