@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from lorapack.errors import LorapackError, SpecError
+from lorapack.errors import LorapackError, LorapackWarning, SpecError
 from lorapack.profile import find_profile
 from lorapack.spec import Adapter, LengthsSpec, Workload
 from lorapack.twin.run import (
@@ -90,8 +90,14 @@ def test_resolve_errors(llama, ranks, flags, match) -> None:
 
 def test_step_model_packing(llama) -> None:
     st, sc = llama.steptime, llama.scheduler
-    prof = llama.model_copy(update={"steptime": st.model_copy(update={"gamma": 0.5})})
+    prof = llama.model_copy(update={"steptime": st.model_copy(update={"gamma": 0.5, "gamma_token": None,
+                                                                      "gamma_adapter": None})})
     srv = resolve_server(prof, np.array([8] * 30 + [32] * 10), ServerFlags(max_loras=8))
+    # separate exponents for the per-token and the per-adapter terms (an older profile's gamma fills a gap)
+    split = llama.model_copy(update={"steptime": st.model_copy(update={"gamma": 0.5, "gamma_token": 0.0,
+                                                                       "gamma_adapter": 1.0})})
+    sm_split = step_model(split, srv)
+    assert sm_split.rank_scale_token == 1.0 and sm_split.rank_scale == pytest.approx(4.0)
     assert (srv.max_lora_rank, srv.max_cpu_loras) == (32, 40)
     sm = step_model(prof, srv)
     assert sm.rank_scale == pytest.approx((32 / 8) ** 0.5) == pytest.approx(2.0)
@@ -104,8 +110,11 @@ def test_step_model_packing(llama) -> None:
     assert coef[RANK_SCALE] == pytest.approx(2.0)
     assert coef[SWA] == pytest.approx(sc.ms_per_waiting_slot_ratio * 0.2)
     # gamma = 0: no rank scaling whatever S is (the shipped profiles' refined gamma is fitted, see issue 3)
-    flat = llama.model_copy(update={"steptime": st.model_copy(update={"gamma": 0.0})})
-    assert step_model(flat, resolve_server(flat, np.array([8, 64]), ServerFlags(max_loras=2))).rank_scale == 1.0
+    flat = llama.model_copy(update={"steptime": st.model_copy(update={"gamma": 0.0, "gamma_token": None,
+                                                                      "gamma_adapter": None})})
+    with pytest.warns(LorapackWarning, match="outside the ranks"):  # 64: not a calibrated rank
+        srv = resolve_server(flat, np.array([8, 64]), ServerFlags(max_loras=2))
+    assert step_model(flat, srv).rank_scale == 1.0 and step_model(flat, srv).rank_scale_token == 1.0
 
 
 def test_step_model_slot_grid_cost(llama) -> None:

@@ -572,10 +572,12 @@ def test_boundary_seeds_rerun_configs_near_the_label_boundary():
     from lorapack.sweep.grid import BOUNDARY_SEED_STRIDE, boundary_configs
 
     cs = enumerate_configs(preset_grid("paper-llama"))[:6]
-    ratios = {cs[0].config_id: 0.85, cs[1].config_id: 0.5, cs[2].config_id: 0.99, cs[3].config_id: 1.02}
+    # in the band 0.85-0.95: the first and the fourth; a healthy 0.99 and a clearly starved 0.5 are not re-run
+    ratios = {cs[0].config_id: 0.85, cs[1].config_id: 0.5, cs[2].config_id: 0.99, cs[3].config_id: 0.93}
     extra = boundary_configs(cs, ratios, 2)
     assert [e.seed for e in extra] == [BOUNDARY_SEED_STRIDE, 2 * BOUNDARY_SEED_STRIDE] * 2
     assert {e.served_adapters for e in extra[:2]} == {cs[0].served_adapters}
+    assert {e.served_adapters for e in extra[2:]} == {cs[3].served_adapters}
     assert not {e.config_id for e in extra} & {c.config_id for c in cs}
 
 
