@@ -16,3 +16,12 @@ def data_dir() -> Path:
     if not data_dir_available(d):
         pytest.skip(f"calibration data not found at {d} (set {DATA_ENV_VAR} to the shared data directory)")
     return d
+
+
+@pytest.fixture(scope="session")
+def calibration(data_dir: Path) -> Path:
+    """The real runs of ``real-runs/calibration.csv`` (skips when absent)."""
+    p = data_dir / "real-runs" / "calibration.csv"
+    if not p.is_file():
+        pytest.skip(f"{p} not found")
+    return p

@@ -48,14 +48,6 @@ def regressions(recorded: dict, now: dict) -> list[str]:
     return bad
 
 
-@pytest.fixture(scope="module")
-def calibration(data_dir: Path) -> Path:
-    p = data_dir / "real-runs" / "calibration.csv"
-    if not p.is_file():
-        pytest.skip(f"{p} not found")
-    return p
-
-
 def _write(rows: list[dict], path: Path) -> Path:
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -206,10 +206,8 @@ def test_load_oracle_errors(trained: Path, tmp_path: Path) -> None:
         load_oracle(LLAMA, "tree", tmp_path / "nowhere")
 
 
-def test_validate_with_learned_engines(trained: Path) -> None:
-    data = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "real-runs" / "calibration.csv"
-    if not data.is_file():
-        pytest.skip("../shared/data is not available")
+def test_validate_with_learned_engines(trained: Path, calibration: Path) -> None:
+    data = calibration
     from lorapack.validate import run_validation
 
     for engine in ("surrogate", "tree"):

@@ -186,13 +186,10 @@ def _label_flips(rows: list[dict]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def calibration_rows(data_dir):
+def calibration_rows(calibration):
     from lorapack.realruns import read_runs
 
-    p = data_dir / "real-runs" / "calibration.csv"
-    if not p.is_file():
-        pytest.skip(f"{p} not found")
-    return [r for r in read_runs(p) if r["model"] in ("llama-3.1-8b-instruct", "qwen-2.5-7b-instruct")]
+    return [r for r in read_runs(calibration) if r["model"] in ("llama-3.1-8b-instruct", "qwen-2.5-7b-instruct")]
 
 
 def test_no_calibration_label_flips_with_the_finishable_rule_quick(calibration_rows) -> None:

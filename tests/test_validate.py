@@ -23,14 +23,6 @@ ROW_COLUMNS = ["run_id", "model", "status", "measured_oom", "predicted_oom", "me
 LLAMA, QWEN = "llama-3.1-8b-instruct", "qwen-2.5-7b-instruct"
 
 
-@pytest.fixture(scope="module")
-def calibration(data_dir: Path) -> Path:
-    p = data_dir / "real-runs" / "calibration.csv"
-    if not p.is_file():
-        pytest.skip(f"{p} not found")
-    return p
-
-
 def _write_rows(path: Path, fieldnames: list[str], rows: list[dict]) -> Path:
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fieldnames)

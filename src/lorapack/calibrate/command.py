@@ -247,6 +247,9 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
         s_prior, table_prior = validate_profile(prior, rows, seeds=seed_list, lengths=lengths, workers=workers)
         s_ref, table = validate_profile(prof, rows, seeds=seed_list, lengths=lengths, workers=workers)
         prov["stage"] = "priors (twin.md section 3.5 step 1) + simulation-based refinement (step 2)"
+        p_ref["start"] = ("the priors" if start is None else
+                          f"the constants of a profile fitted {start.provenance.get('date', '(undated)')} "
+                          f"(hash {start.file_hash()}): " + ", ".join(f"{n}={param_value(n, start):.6g}" for n in free))
         prov["refinement"] = p_ref
         guard_ids = {r["run_id"] for r in guard_subset(rows)}
         guard = [c for c in table if c.run_id in guard_ids]
