@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-minutes", type=float, default=15.0, help="wall-time cap of each model's refinement")
     args = ap.parse_args(argv)
     data_dir = args.data_dir or default_data_dir()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.report_dir.mkdir(parents=True, exist_ok=True)
     try:
         for model in args.model or MODELS:
             t0 = time.perf_counter()

@@ -53,7 +53,8 @@ def test_lora_term_splits_decode_and_prefill_tokens() -> None:
 def test_slot_grid_term_folds_into_per_token_costs() -> None:
     p = find_profile(LLAMA)
     st = p.steptime.model_copy(update={"e1_ms_per_token": 0.01, "e1p_ms_per_prefill_token": 0.003,
-                                       "e4_ms_per_ktok_slot": 0.2, "gamma": 1.0})
+                                       "e4_ms_per_ktok_slot": 0.2, "gamma": 1.0, "gamma_token": None,
+                                       "gamma_adapter": None})
     p = p.model_copy(update={"steptime": st})
     srv = ResolvedServer(max_loras=100, max_lora_rank=16, max_cpu_loras=200, max_num_batched_tokens=2048,
                          max_num_seqs=2048, max_model_len=p.max_model_len, starts=True, kv_cache_tokens=1,
