@@ -280,7 +280,7 @@ def replay_gpu(profile: Profile, task: GpuTask, window_s: float) -> GpuReplay:
             starved_adapters=list(task.adapter_ids), decode_gaps=0, decode_span_s=0.0,
             ttft_samples_s=np.empty(0, np.float32), wall_s=time.perf_counter() - t0)
     done = np.isfinite(res.t_finish_s) & (res.t_finish_s <= window_s) & (req.t_arr_s < window_s)
-    ttft = (res.t_first_s[done] - res.t_sent_s[done]).astype(np.float32)
+    ttft = (res.t_first_s[done] - res.t_sent_s[done] + res.ttft_overhead_ms / 1000.0).astype(np.float32)
     gaps = req.output_tokens[done].astype(np.int64) - 1
     span = res.t_finish_s[done] - res.t_first_s[done]
     return GpuReplay(
