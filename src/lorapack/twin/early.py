@@ -229,7 +229,7 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
     in_window = req.t_arr_s < T
     total_tok = float(tok[in_window].sum())
     # the label's denominator: what an idle server could finish by T (no client cap: sent = arrived)
-    finishable_tok = float(tok[in_window & finishable_mask(req, req.t_arr_s, T, cfg)].sum())
+    finishable_tok = float(tok[in_window & finishable_mask(req, req.t_arr_s, T, cfg)].sum())  # t_sent = t_arr
     cum_tok = np.concatenate([[0], np.cumsum(tok)])
     c_max = capacity_bound_tok_s(cfg.step_coef)
     w = opts.window_s

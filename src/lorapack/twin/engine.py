@@ -98,6 +98,8 @@ COUNTERS = np.dtype([
     ("busy_s", np.float64),
     ("sched_s", np.float64),
     ("load_s", np.float64),
+    ("last_gap_s", np.float64),  # a cache: the gap whose histogram bin was computed last ...
+    ("last_gap_bin", np.int64),  # ... and that bin (most steps repeat the previous step's duration)
 ], align=True)
 
 class ServerLimits(NamedTuple):
@@ -592,7 +594,12 @@ def _update_from_output(lim, st, n_scheduled, t_end_s):
                 if first_finished < 0:
                     first_finished = k
     if n_gaps_of_this_step > 0:
-        st.gap_hist[_gap_bin(t_end_s - t_start_s)] += n_gaps_of_this_step
+        c = st.counters[0]
+        gap_s = t_end_s - t_start_s
+        if gap_s != c.last_gap_s:  # the logarithm only when the step's duration changed
+            c.last_gap_s = gap_s
+            c.last_gap_bin = _gap_bin(gap_s)
+        st.gap_hist[c.last_gap_bin] += n_gaps_of_this_step
     if first_finished >= 0:
         _compact_running(st, first_finished)
 

@@ -153,24 +153,41 @@ def _stat(x: np.ndarray, fn) -> float:
     return float(fn(x)) if len(x) else float("nan")
 
 
-def idle_service_s(req: RequestArrays, step_coef: np.ndarray, max_num_batched_tokens: int) -> np.ndarray:
+def idle_service_s(prompt_tokens: np.ndarray, output_tokens: np.ndarray, step_coef: np.ndarray,
+                   max_num_batched_tokens: int) -> np.ndarray:
     """Per request, its time on an otherwise idle server: its prefill chunks, then one step per further
     output token, each step with this request alone (B = 1, one adapter; no scheduler time, no load)."""
-    p = req.prompt_tokens.astype(np.float64)
+    p = np.asarray(prompt_tokens, dtype=np.float64)
     chunks = np.ceil(p / max_num_batched_tokens)
     base = compute_ms(step_coef, 1, 0, 0, 0.0, 1)  # a step's fixed part
     per_prefill_token = compute_ms(step_coef, 1, 1, 1, 0.0, 1) - base
     decode_ms = compute_ms(step_coef, 1, 0, 1, 0.0, 1)
-    out = chunks * base + p * per_prefill_token + (req.output_tokens.astype(np.float64) - 1) * decode_ms
+    out = chunks * base + p * per_prefill_token + (np.asarray(output_tokens, dtype=np.float64) - 1) * decode_ms
     return out / 1000.0
 
 
-def finishable_mask(req: RequestArrays, since_s: np.ndarray, duration_s: float, cfg: EngineConfig | None) -> np.ndarray:
-    """Requests that an idle server could complete by ``duration_s`` when sent at ``since_s`` (all of
-    them when ``cfg`` is None: the benchmark's plain count)."""
-    if cfg is None:
-        return np.ones(len(req), dtype=bool)
-    return since_s + idle_service_s(req, cfg.step_coef, int(cfg.max_num_batched_tokens)) <= duration_s
+def _sent_at(res_t_sent_s: np.ndarray, req: RequestArrays, idx: np.ndarray) -> np.ndarray:
+    """When requests ``idx`` were sent: a request sent during the last step was never injected (t_sent NaN),
+    it counts from its arrival."""
+    t = res_t_sent_s[idx]
+    return np.where(np.isfinite(t), t, req.t_arr_s[idx])
+
+
+def finishable_mask(req: RequestArrays, t_sent_s: np.ndarray, duration_s: float, cfg: EngineConfig | None) -> np.ndarray:
+    """Requests that an idle server could complete by ``duration_s`` when sent at ``t_sent_s`` (NaN: at their
+    arrival); all of them when ``cfg`` is None (the benchmark's plain count)."""
+    ok = np.ones(len(req), dtype=bool)
+    if cfg is None or not len(req):
+        return ok
+    # only requests sent within the longest possible service time of the end can miss it: test those alone
+    mnbt = int(cfg.max_num_batched_tokens)
+    horizon_s = float(idle_service_s(req.prompt_tokens.max(keepdims=True), req.output_tokens.max(keepdims=True),
+                                     cfg.step_coef, mnbt)[0])
+    late = np.flatnonzero(~(t_sent_s <= duration_s - horizon_s))  # NaN (never injected) included
+    if len(late):
+        service_s = idle_service_s(req.prompt_tokens[late], req.output_tokens[late], cfg.step_coef, mnbt)
+        ok[late] = _sent_at(t_sent_s, req, late) + service_s <= duration_s
+    return ok
 
 
 def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_adapters: int,
@@ -194,9 +211,7 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     output_tok_s = float(o[done].sum()) / duration_s
     throughput = input_tok_s + output_tok_s
     incoming = float((p[sent] + o[sent]).sum()) / duration_s
-    # a request sent during the last step was never injected (t_sent NaN): it counts from its arrival
-    since = np.where(np.isfinite(res.t_sent_s), res.t_sent_s, req.t_arr_s)
-    could_finish = sent & finishable_mask(req, since, duration_s, cfg)
+    could_finish = sent & finishable_mask(req, res.t_sent_s, duration_s, cfg)
     finishable = float((p[could_finish] + o[could_finish]).sum()) / duration_s
 
     # completed => injected
@@ -231,7 +246,7 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     open_ = sent & ~done
     oldest = np.zeros(n_adapters)
     if open_.any():
-        age = duration_s - since[open_]
+        age = duration_s - _sent_at(res.t_sent_s, req, np.flatnonzero(open_))
         np.maximum.at(oldest, ad[open_], age)
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = np.where(sent_tok > 0, done_tok / sent_tok, 1.0)
