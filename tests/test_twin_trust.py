@@ -35,7 +35,7 @@ def test_gap_percentiles_match_exact_percentiles() -> None:
         hist[gaps.gap_bin(float(x))] += 1
     for q in (50, 90, 99):
         exact = float(np.percentile(g * 1000, q))
-        assert gaps.percentile_ms(hist, q) == pytest.approx(exact, rel=0.011)  # one bin is 1 % wide
+        assert gaps.percentile_ms(hist, q) == pytest.approx(exact, rel=0.016)  # a bin is 0.8-1.6 % wide
     assert math.isnan(gaps.percentile_ms(gaps.new_histogram(), 99))
     assert gaps.gap_bin(1e9) == gaps.GAP_BINS - 1 and gaps.gap_bin(0.0) == 0
 
@@ -56,7 +56,7 @@ def test_gap_histogram_counts_every_gap_and_a_preemption_as_one_long_gap() -> No
         assert res.gap_hist.sum() == 2 * (40 - 1)  # O - 1 gaps per request
         widest = max(k for k in range(gaps.GAP_BINS) if res.gap_hist[k])
         step_ms = 10.0 + 2 * 1.0  # both requests in a step
-        assert gaps.GAP_MIN_MS * gaps.GAP_BIN_RATIO ** widest > 10 * step_ms  # the wait is one gap
+        assert gaps.bin_edges_ms(widest)[0] > 10 * step_ms  # the wait is one gap
 
 
 def test_itl_p99_reports_the_gap_tail() -> None:

@@ -132,7 +132,7 @@ class Requests(NamedTuple):
     output_tokens_done: np.ndarray  # written back when the request leaves the running list
     t_sent_s: np.ndarray
     t_first_s: np.ndarray
-    t_last_token_s: np.ndarray  # when its latest token was streamed (for the inter-token gaps)
+    t_last_token_s: np.ndarray  # when its latest token was streamed, kept while it waits (preempted)
     t_finish_s: np.ndarray
     n_preempted: np.ndarray
 
@@ -159,6 +159,7 @@ class RunningSlots(NamedTuple):
     target_output_tokens: np.ndarray
     adapter: np.ndarray
     scheduled_tokens: np.ndarray  # this step
+    t_last_token_s: np.ndarray  # when the request's latest token was streamed (NaN: none yet)
 
 class AdapterCaches(NamedTuple):
     """GPU slots and CPU cache, LRU by the step of last use (ties: lowest index)."""
@@ -317,6 +318,7 @@ def _preempt_tail(st):
     v = run.request[slot]
     c.free_kv_blocks += run.kv_blocks[slot]
     req.output_tokens_done[v] = run.output_tokens[slot]
+    req.t_last_token_s[v] = run.t_last_token_s[slot]  # its next token's gap spans the wait
     req.n_preempted[v] += 1
     c.n_preemptions += 1
     c.preemption_serial += 1
@@ -385,6 +387,7 @@ def _admit(lim, st, r, a, num, need_blocks):
     run.target_output_tokens[slot] = req.output_tokens[r]
     run.adapter[slot] = a
     run.scheduled_tokens[slot] = num
+    run.t_last_token_s[slot] = req.t_last_token_s[r]
     c.n_running = slot + 1
     if ad.n_running[a] == 0:
         c.n_active_adapters += 1
@@ -562,6 +565,7 @@ def _compact_running(st, first_finished):
                 run.prompt_tokens[j] = run.prompt_tokens[k]
                 run.target_output_tokens[j] = run.target_output_tokens[k]
                 run.adapter[j] = run.adapter[k]
+                run.t_last_token_s[j] = run.t_last_token_s[k]
             j += 1
     c.n_running = j
 
@@ -580,15 +584,14 @@ def _update_from_output(lim, st, n_scheduled, t_end_s):
         run.computed_tokens[k] += run.scheduled_tokens[k]
         if run.computed_tokens[k] == run.prompt_tokens[k] + run.output_tokens[k]:
             run.output_tokens[k] += 1
-            r = run.request[k]
             if run.output_tokens[k] == 1:
-                req.t_first_s[r] = t_end_s
+                req.t_first_s[run.request[k]] = t_end_s
             elif in_window:
-                if req.t_last_token_s[r] == t_start_s:
+                if run.t_last_token_s[k] == t_start_s:
                     n_gaps_of_this_step += 1
                 else:  # after a stall or a preemption: one long gap
-                    st.gap_hist[_gap_bin(t_end_s - req.t_last_token_s[r])] += 1
-            req.t_last_token_s[r] = t_end_s
+                    st.gap_hist[_gap_bin(t_end_s - run.t_last_token_s[k])] += 1
+            run.t_last_token_s[k] = t_end_s
             if run.output_tokens[k] == run.target_output_tokens[k]:
                 _finish(st, k, t_end_s, lim.duration_s)
                 if first_finished < 0:
@@ -685,7 +688,8 @@ def new_state(cfg: EngineConfig, req: RequestArrays) -> EngineState:
         all_adapter=np.full(2 * size, -1, np.int64), active_key=np.full(2 * size, INF_KEY, np.int64),
         active_adapter=np.full(2 * size, -1, np.int64))
     cap = min(n, int(cfg.max_num_seqs)) + 1
-    running = RunningSlots(*(np.zeros(cap, np.int64) for _ in RunningSlots._fields))
+    running = RunningSlots(*(np.full(cap, np.nan) if f == "t_last_token_s" else np.zeros(cap, np.int64)
+                             for f in RunningSlots._fields))
     stamps = np.arange(n_ad, dtype=np.int64) - n_ad  # earlier registered = less recently used
     adapters = AdapterCaches(
         n_running=np.zeros(n_ad, np.int64), in_gpu=np.zeros(n_ad, np.bool_),
