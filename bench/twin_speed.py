@@ -84,8 +84,8 @@ def serve() -> None:
         prof, wl = find_profile(model), build(model, n, ranks, rates)
         flags = ServerFlags(max_loras=a_max, max_lora_rank=s_max)
         t0 = time.perf_counter()
-        simulate(prof, wl, flags, 3600.0, 0)
-        print(json.dumps({"config": name, "wall_s": time.perf_counter() - t0}), flush=True)
+        m, _res = simulate(prof, wl, flags, 3600.0, 0)
+        print(json.dumps({"config": name, "wall_s": time.perf_counter() - t0, "steps": int(m.n_steps)}), flush=True)
 
 
 def _worker(src: Path) -> subprocess.Popen:
@@ -97,10 +97,11 @@ def _worker(src: Path) -> subprocess.Popen:
     return proc
 
 
-def _time(proc: subprocess.Popen, name: str) -> float:
+def _time(proc: subprocess.Popen, name: str) -> tuple[float, int]:
     proc.stdin.write(name + "\n")
     proc.stdin.flush()
-    return json.loads(proc.stdout.readline())["wall_s"]
+    out = json.loads(proc.stdout.readline())
+    return out["wall_s"], out["steps"]
 
 
 def compare(rev: str, repeats: int, out: Path, only: list[str] | None = None) -> None:
@@ -112,21 +113,25 @@ def compare(rev: str, repeats: int, out: Path, only: list[str] | None = None) ->
         versions = {"before": Path(tmp) / "src", "after": REPO / "src"}
         procs = {k: _worker(v) for k, v in versions.items()}
         best = {k: {c[0]: float("inf") for c in configs} for k in versions}
+        steps: dict[str, dict[str, int]] = {k: {} for k in versions}  # engine steps: what each version simulates
         try:
             for rep in range(repeats):
                 for name, *_ in configs:
                     order = ("before", "after") if rep % 2 == 0 else ("after", "before")
                     for k in order:
-                        best[k][name] = min(best[k][name], _time(procs[k], name))
+                        wall, steps[k][name] = _time(procs[k], name)
+                        best[k][name] = min(best[k][name], wall)
                 print(f"repeat {rep + 1}/{repeats} done", flush=True)
         finally:
             for p in procs.values():
                 p.stdin.close()
                 p.wait()
-    print(f"\n{'config':32s} {'before s':>9s} {'after s':>9s} {'after/before':>12s}")
+    # wall per step separates implementation speed from behaviour changes (e.g. more adapter loads or steps)
+    print(f"\n{'config':30s} {'before s':>9s} {'after s':>8s} {'ratio':>6s} {'steps ratio':>11s} {'per step':>8s}")
     for name, *_ in configs:
         b, a = best["before"][name], best["after"][name]
-        print(f"{name:32s} {b:9.4f} {a:9.4f} {a / b:12.3f}")
+        sr = steps["after"][name] / steps["before"][name]
+        print(f"{name:30s} {b:9.4f} {a:8.4f} {a / b:6.3f} {sr:11.3f} {a / b / sr:8.3f}")
     summary = {}
     for k in versions:
         walls = list(best[k].values())
@@ -138,9 +143,12 @@ def compare(rev: str, repeats: int, out: Path, only: list[str] | None = None) ->
           f"{summary['after']['max_wall_s']:.4f} s per simulated hour")
     print(f"after/before: median {ratios['median_wall_s']:.3f}, max {ratios['max_wall_s']:.3f} "
           f"(best of {repeats}, interleaved; load average {os.getloadavg()[0]:.1f} at the end)")
+    per_step = {k: {n: best[k][n] / steps[k][n] for n in best[k]} for k in versions}
+    ratios["median_wall_per_step"] = statistics.median(per_step["after"][n] / per_step["before"][n] for n in best["after"])
+    print(f"wall per engine step, after/before: median {ratios['median_wall_per_step']:.3f}")
     payload = {"bench": "twin_speed_compare", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "before": rev, "repeats": repeats, "load_average_1min_end": os.getloadavg()[0],
-               "summary": summary, "ratios": ratios, "configs": best}
+               "summary": summary, "ratios": ratios, "configs": best, "steps": steps}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {out}")
