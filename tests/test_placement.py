@@ -429,6 +429,30 @@ def test_an_oracle_that_refuses_a_light_adapter_alone_is_named_not_the_adapter()
     assert "split-hot" not in plan.reason
 
 
+class _LearnedToy(ToyOracle):
+    learned = True  # placement treats it as a learned model: the twin (search_oracle) confirms its refusals
+
+
+def test_the_twin_fills_a_gpu_where_a_learned_oracle_gives_up() -> None:
+    # the "learned" toy predicts TTFT 2.5 s everywhere; the "twin" (search oracle) 0.1 s: every GPU of the greedy
+    # is filled by the twin (8 + 8 + 8 + 6: 16 adapters at 1 req/s exceed its 10 req/s) as the twin's own greedy
+    # fills them; the balanced plans are still the learned model's (it accepts none: 4 GPUs stay)
+    learned, twin = _LearnedToy(10.0, ttft_s=2.5), ToyOracle(10.0)
+    inst = instance(np.full(30, 1.0))
+    plan = place(inst, LLAMA, "proposed", objective=Objective(max_ttft_s=2.0), oracle=learned, search_oracle=twin,
+                 verify_oracle=twin, capacity=toy_capacity(10.0), workers=1)
+    ref = place(inst, LLAMA, "proposed", objective=Objective(max_ttft_s=2.0), **toy_kwargs(10.0))
+    assert not plan.infeasible and plan.gpus_used == plan.diagnostics["greedy_gpus"] == 4
+    assert ref.diagnostics["greedy_gpus"] == 4 and ref.gpus_used == 3  # the toy's rebalance: 10 per GPU
+    assert [len(g.adapters) for g in plan.gpus] == [8, 8, 8, 6]
+    assert plan.diagnostics["confirmed_gpus"] == 4 and plan.diagnostics["confirm_calls"] > 0
+    assert all(g.verified.passed for g in plan.gpus)
+    # an oracle that is not learned is taken at its word (the guard's message above)
+    plain = place(inst, LLAMA, "proposed", objective=Objective(max_ttft_s=2.0), oracle=ToyOracle(10.0, ttft_s=2.5),
+                  search_oracle=twin, verify_oracle=twin, capacity=toy_capacity(10.0), workers=1)
+    assert plain.infeasible
+
+
 def test_twin_runs_on_the_kept_executor_answer_as_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """proposed-exact's twin runs: in-process while workers would not pay for themselves, else on
     ``lorapack.executor``'s spawned workers, kept across calls; the same answers either way, in job order."""

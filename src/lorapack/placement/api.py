@@ -416,13 +416,15 @@ def _run(method: str, inst: Instance, ctx: Context, gpus: int | None, bound: Low
     info: dict = {}
     if method in GREEDY_METHODS:
         oracle = ctx.method_oracle(method)
+        # a learned method's own model is double-checked by the twin where it would give up on an empty GPU
+        confirm = ctx.twin() if getattr(oracle, "learned", False) else None
         origin = "greedy"
         for attempt in range(MAX_SPLIT_ROUNDS + 1):
             stats: dict = {}
             try:
                 ctx.say(f"{method}: filling GPUs")
                 fills = greedy_fill(inst, ctx.profile, oracle, ctx.objective, pool=gpus, options=ctx.options,
-                                    stats=stats)
+                                    stats=stats, confirm=confirm)
                 break
             except Infeasible as e:
                 if gpus is not None and e.gpus_needed is not None:
@@ -453,7 +455,8 @@ def _run(method: str, inst: Instance, ctx: Context, gpus: int | None, bound: Low
                                       on_try=lambda g: ctx.say(f"{method}: trying a balanced plan on {g} GPUs"))
         info.update(greedy_gpus=n_greedy, plan_origin=origin, oracle_calls=stats.get("oracle_calls"),
                     oracle_rows=stats.get("oracle_rows"), oracle_out_of_range=stats.get("oracle_out_of_range"),
-                    lookahead=stats.get("lookahead"))
+                    lookahead=stats.get("lookahead"), confirmed_gpus=stats.get("confirmed_gpus"),
+                    confirm_calls=stats.get("confirm_calls"))
         return fills, info, inst
     if gpus is not None:
         a = assign(method, inst, ctx, gpus)

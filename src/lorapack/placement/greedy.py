@@ -280,14 +280,18 @@ class _Walker:
 
 def greedy_fill(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective, *,
                 pool: int | None = None, options: GreedyOptions = GreedyOptions(),
-                order: np.ndarray | None = None, stats: dict | None = None) -> list[GpuFill]:
+                order: np.ndarray | None = None, stats: dict | None = None,
+                confirm: Oracle | None = None) -> list[GpuFill]:
     """The paper's main loop (placement.md §4.1): GPUs in sequence until every entry is committed.
 
-    Raises ``Infeasible`` when the pool is exhausted or when a GPU fails with nothing committed (the guard:
-    the same first adapters would fail on every new GPU)."""
+    ``confirm`` (the twin, for learned oracles): a GPU on which ``oracle`` commits nothing is filled again with
+    ``confirm`` before the guard gives up -- a model that is wrong about a light adapter alone on a GPU (outside
+    its data) must not make a workload infeasible. Raises ``Infeasible`` when the pool is exhausted or when a
+    GPU fails with nothing committed (the guard: the same first adapters would fail on every new GPU)."""
     if order is None:
         order = zigzag_order(inst.ranks, inst.rates_rps, inst.adapter_ids)
     w = _Walker(inst, profile, oracle, objective, options, order)
+    wc: _Walker | None = None
     gpus: list[GpuFill] = []
     pos = 0
     while pos < len(order):
@@ -295,6 +299,10 @@ def greedy_fill(inst: Instance, profile: Profile, oracle: Oracle, objective: Obj
             raise Infeasible(f"the pool of {pool} GPU{'s' if pool != 1 else ''} is exhausted with "
                              f"{len(order) - pos} of {len(order)} adapters unplaced", gpus_needed=pool + 1)
         g = w.fill(pos)
+        if not g.entries and confirm is not None:
+            wc = wc or _Walker(inst, profile, confirm, objective, options, order)
+            g = wc.fill(pos)
+            g.extra["filled_by"] = getattr(confirm, "name", "confirm")
         if not g.entries:
             first = inst.adapter_ids[int(order[pos])]
             raise Infeasible(f"adapter '{first}' (rank {int(inst.ranks[order[pos]])}, "
@@ -307,7 +315,8 @@ def greedy_fill(inst: Instance, profile: Profile, oracle: Oracle, objective: Obj
         pos += len(g.entries)
     if stats is not None:
         stats.update(oracle_calls=w.calls, oracle_rows=w.rows, oracle_out_of_range=w.out_of_range,
-                     lookahead=w.lookahead)
+                     lookahead=w.lookahead, confirmed_gpus=sum("filled_by" in g.extra for g in gpus),
+                     confirm_calls=wc.calls if wc is not None else 0)
     return gpus
 
 

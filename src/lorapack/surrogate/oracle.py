@@ -24,7 +24,9 @@ class LearnedOracle(MemoryRuleOracle):
     ``throughput_tok_s`` = predicted ratio x the offered tokens; ``starved`` = the classifier's probability;
     ``itl_ms``, ``ttft_s`` from the latency models (NaN if the file has none). Candidates outside the
     training range of any feature are answered but flagged (``in_range`` False, ``out_of_range`` names
-    the features)."""
+    the features). ``learned`` tells placement to let the twin decide where the model gives up on a GPU."""
+
+    learned = True
 
     def __init__(self, model: ModelFile, profile: Profile, name: str | None = None) -> None:
         self.model = model
