@@ -15,7 +15,8 @@ hand; sweeps resume, so an interrupted run continues where it stopped):
 
 Timings per stage go to ``src/lorapack/models/make_models.json``. ``--limit K`` runs, of each grid, whole
 N-series of its fixed seeded shuffle of series until at least K configs (``lorapack sweep --limit``: a quick,
-smaller dataset in which N-series pruning acts as in the full grid); ``--workers`` is passed to the sweeps.
+smaller dataset in which N-series pruning acts as in the full grid); ``--workers`` is passed to the sweeps,
+``--jobs`` (default 2) to the training search.
 ``lorapack sweep --preset paper-llama --boundary-seeds 1 --estimate`` projects the first stage's time.
 """
 
@@ -53,6 +54,8 @@ def main() -> None:
                     help="the same for the additions grids (default: --limit)")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=1500.0, help="training budget per profile")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                    help="parallel processes of the training search (default: up to 2, the machine is shared)")
     ap.add_argument("--profiles", default="llama,qwen")
     args = ap.parse_args()
     lp = [str(Path(sys.executable).parent / "lorapack")]
@@ -75,7 +78,8 @@ def main() -> None:
         run(cmd, stages, f"sweep placement-like-{m}")
         plike.append(str(out))
     pl_args = [a for p in plike for a in ("--placement-like", p)]
-    run([*lp, "train", *sweeps, "--out", str(args.out), "--budget-s", str(args.budget_s), *pl_args], stages, "train")
+    run([*lp, "train", *sweeps, "--out", str(args.out), "--budget-s", str(args.budget_s), "--jobs", str(args.jobs),
+         *pl_args], stages, "train")
     run([*lp, "refine", str(args.out), *pl_args], stages, "refine")
     total = time.perf_counter() - t_all
     for s in stages:
