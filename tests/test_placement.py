@@ -436,21 +436,39 @@ class _LearnedToy(ToyOracle):
 def test_the_twin_fills_a_gpu_where_a_learned_oracle_gives_up() -> None:
     # the "learned" toy predicts TTFT 2.5 s everywhere; the "twin" (search oracle) 0.1 s: every GPU of the greedy
     # is filled by the twin (8 + 8 + 8 + 6: 16 adapters at 1 req/s exceed its 10 req/s) as the twin's own greedy
-    # fills them; the balanced plans are still the learned model's (it accepts none: 4 GPUs stay)
+    # fills them; the learned model's balanced plans accept none, the twin's consolidation after verification
+    # then finds the 3-GPU plan the toy-only placement finds
     learned, twin = _LearnedToy(10.0, ttft_s=2.5), ToyOracle(10.0)
     inst = instance(np.full(30, 1.0))
     plan = place(inst, LLAMA, "proposed", objective=Objective(max_ttft_s=2.0), oracle=learned, search_oracle=twin,
                  verify_oracle=twin, capacity=toy_capacity(10.0), workers=1)
     ref = place(inst, LLAMA, "proposed", objective=Objective(max_ttft_s=2.0), **toy_kwargs(10.0))
-    assert not plan.infeasible and plan.gpus_used == plan.diagnostics["greedy_gpus"] == 4
-    assert ref.diagnostics["greedy_gpus"] == 4 and ref.gpus_used == 3  # the toy's rebalance: 10 per GPU
-    assert [len(g.adapters) for g in plan.gpus] == [8, 8, 8, 6]
+    assert not plan.infeasible and plan.diagnostics["greedy_gpus"] == ref.diagnostics["greedy_gpus"] == 4
+    assert plan.diagnostics["plan_origin"] == "greedy" and ref.gpus_used == 3  # the toy's rebalance: 10 per GPU
+    assert plan.gpus_used == 3 and plan.verification["consolidated"]["gpus_before"] == 4
     assert plan.diagnostics["confirmed_gpus"] == 4 and plan.diagnostics["confirm_calls"] > 0
     assert all(g.verified.passed for g in plan.gpus)
     # an oracle that is not learned is taken at its word (the guard's message above)
     plain = place(inst, LLAMA, "proposed", objective=Objective(max_ttft_s=2.0), oracle=ToyOracle(10.0, ttft_s=2.5),
                   search_oracle=twin, verify_oracle=twin, capacity=toy_capacity(10.0), workers=1)
     assert plain.infeasible
+
+
+def test_verification_consolidates_a_pessimistic_learned_plan_with_the_twin() -> None:
+    # the learned toy believes 8 req/s per GPU (8 + 8 + 8 + 6 adapters at 1 req/s), the twin 10: verification
+    # passes the 4 GPUs, then a balanced plan on 3 GPUs (10 req/s each) passes the twin and replaces it
+    learned, twin = _LearnedToy(8.0), ToyOracle(10.0)
+    inst = instance(np.full(30, 1.0))
+    plan = place(inst, LLAMA, "proposed", objective=THR, oracle=learned, search_oracle=twin, verify_oracle=twin,
+                 capacity=toy_capacity(10.0), workers=1)
+    c = plan.verification["consolidated"]
+    assert (c["gpus_before"], c["gpus_after"], c["accepted"]) == (4, 3, True)
+    assert plan.gpus_used == 3 and plan.verification["passed"] and all(g.verified.passed for g in plan.gpus)
+    assert sorted(a for g in plan.gpus for a in g.adapters) == sorted(inst.adapter_ids)
+    # a twin that agrees with the model keeps the plan (one probe on 3 GPUs fails)
+    same = place(inst, LLAMA, "proposed", objective=THR, oracle=_LearnedToy(8.0), search_oracle=ToyOracle(8.0),
+                 verify_oracle=ToyOracle(8.0), capacity=toy_capacity(10.0), workers=1)
+    assert same.gpus_used == 4 and not same.verification["consolidated"]["accepted"]
 
 
 def test_twin_runs_on_the_kept_executor_answer_as_in_process(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -338,8 +338,13 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
             return _infeasible(method, profile, settings, bound, diagnostics, str(e), hot=e.hot,
                                placement_ms=placement_ms, verification_ms=(time.perf_counter() - t1) * 1e3)
         fills = _normalise(inst, fills)
+        consolidated = None
+        if METHOD_ORACLE.get(method) in ("surrogate", "tree") and method in GREEDY_METHODS and ctx.options.rebalance:
+            fills, verdicts, consolidated = _consolidate(inst, ctx, fills, verdicts, verifier, bound)
         verification_ms = (time.perf_counter() - t1) * 1e3
         verification = _verification_dict(verifier, verify_seeds, before, fills, verdicts, log)
+        if consolidated is not None:
+            verification["consolidated"] = consolidated
 
     plan = build_plan(method, inst, profile, fills, verdicts)
     plan.placement_ms = placement_ms
@@ -350,6 +355,32 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
     plan.verification = verification
     plan.diagnostics = diagnostics
     return plan
+
+
+def _consolidate(inst: Instance, ctx: Context, fills: list[GpuFill], verdicts: list[Verdict], verifier: Oracle,
+                 bound: LowerBound) -> tuple[list[GpuFill], list[Verdict], dict]:
+    """After a learned method's plan passed verification: balanced plans on fewer GPUs judged by the twin
+    (``rebalance`` with ``ctx.twin()``: one GPU less first, which usually fails on its first GPU and ends it);
+    a smaller plan replaces the verified one only if it passes the same verification. A learned model that is
+    pessimistic (a latency prediction a little high) thus does not cost a GPU the twin shows is not needed --
+    the same twin that validates the pool methods' smallest pools."""
+    from .verify import verify_fills
+
+    info = {"gpus_before": len(fills), "gpus_after": len(fills), "accepted": False}
+    if len(fills) <= max(1, bound.gpus):
+        return fills, verdicts, info
+    ctx.say(f"trying to consolidate {len(fills)} GPUs with the twin")
+    smaller, origin = rebalance(inst, ctx.profile, ctx.twin(), ctx.objective, fills, ctx.options,
+                                min_gpus=bound.gpus)
+    if len(smaller) >= len(fills):
+        return fills, verdicts, info
+    smaller = _normalise(inst, smaller)
+    fresh = verify_fills(inst, ctx.profile, smaller, ctx.objective, verifier)
+    info["verified_gpus"] = len(smaller)
+    if not all(v.passed for v in fresh):
+        return fills, verdicts, info
+    info.update(gpus_after=len(smaller), accepted=True, origin=origin)
+    return smaller, fresh, info
 
 
 def _hot_message(bound: LowerBound, inst: Instance) -> str:
@@ -377,7 +408,7 @@ def _verification_dict(verifier: Oracle, seeds: int, before: int, fills: list[Gp
     return {"seeds": list(getattr(verifier, "seeds", ())) or seeds,
             "duration_s": getattr(verifier, "duration_s", VERIFY_DURATION_S),
             "passed": all(v.passed for v in verdicts), "gpus_before": before, "gpus_after": len(fills),
-            "gpus_added": len(fills) - before, "repair_rounds": log.rounds, "gpus_cut": log.cut_gpus,
+            "gpus_added": log.added_gpus, "repair_rounds": log.rounds, "gpus_cut": log.cut_gpus,
             "moved_adapters": log.moved_entries, "max_loras_lowered": log.max_loras_lowered,
             "events": log.events[:50], "simulations": getattr(verifier, "n_simulations", None)}
 
