@@ -604,3 +604,20 @@ def test_placement_like_candidates_are_built_like_proposed():
         assert (np.diff(r[:k]) <= 0).all()
         assert prof.startup(c.adapter_slots, c.max_lora_rank)[0] or c.adapter_slots == min(g.adapter_slots)
     assert padded > 0
+
+
+@pytest.mark.parametrize("preset", ["additions-llama", "placement-like-qwen"])
+def test_resource_check_costs_drawn_and_explicit_rate_vectors(preset: str) -> None:
+    """Rate-law, padded and explicit-vector configs have no rate tuple: the cost check sums their real rates."""
+    from lorapack.guards import Limits
+    from lorapack.sweep.grid import enumerate_configs, preset_grid
+    from lorapack.sweep.runner import check_resources
+
+    grid = preset_grid(preset)
+    configs = enumerate_configs(grid)
+    assert any(not c.rate_tuple for c in configs)
+    prof = find_profile(grid.model, grid.gpu)
+    check_resources(configs, prof)  # every preset is within the default limits
+    top = max(float(c.rates_rps().sum()) for c in configs)
+    with pytest.raises(SpecError, match=r"grid config N=\d+ \((drawn rates|rate tuple)"):
+        check_resources(configs, prof, Limits(max_requests=int(top * grid.duration_s * 0.5)))

@@ -37,23 +37,24 @@ FLUSH_S = 20.0
 def check_resources(configs: list[SweepConfig], profile: Profile, limits: Limits | None = None) -> None:
     """Cost of the most expensive config (``guards``), before the sweep creates anything.
 
-    A config's requests are the sum of its N adapters' rates (round-robin over its rate tuple) x duration_s."""
+    A config's requests are the sum of its N adapters' rates (its rate tuple round-robin, a rate law's draw, padding
+    or an explicit vector: ``SweepConfig.rates_rps``) x duration_s."""
     from ..guards import Estimate, min_step_ms, profile_step_coef
 
     if not configs:
         return
     step_ms = min_step_ms(profile_step_coef(profile))
     worst: dict[tuple, SweepConfig] = {}
-    for c in configs:  # one per (rate tuple, N, duration, lengths): the rest do not change the cost
-        worst.setdefault((c.rate_tuple, c.served_adapters, c.duration_s, c.mean_input_tokens,
-                          c.mean_output_tokens, c.lengths_kind), c)
+    for c in configs:  # one per (rates, N, duration, lengths): the rest do not change the cost
+        worst.setdefault((c.rate_tuple, c.rate_law, c.pad_fraction, c.explicit_rates, c.seed, c.served_adapters,
+                          c.duration_s, c.mean_input_tokens, c.mean_output_tokens, c.lengths_kind), c)
     for c in worst.values():
-        k = len(c.rate_tuple)
-        rate = sum(c.rate_tuple) * (c.served_adapters // k) + sum(c.rate_tuple[: c.served_adapters % k])
+        rate = float(c.rates_rps().sum())
         tokens = (max(1, round(c.mean_input_tokens)) + max(1, round(c.mean_output_tokens))
                   if c.lengths_kind == "fixed" else c.mean_input_tokens + c.mean_output_tokens)
         check(Estimate(requests=rate * c.duration_s, duration_s=c.duration_s, n_adapters=c.served_adapters,
-                       requests_from=f"grid config N={c.served_adapters} (rate tuple {list(c.rate_tuple)}, "
+                       requests_from=f"grid config N={c.served_adapters} ("
+                                     f"{f'rate tuple {list(c.rate_tuple)}' if c.rate_tuple else 'drawn rates'}, "
                                      f"{rate:g} req/s in all) over duration_s {c.duration_s:g} s",
                        tokens_per_request=tokens, min_step_ms=step_ms), limits)
 
