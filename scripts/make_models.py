@@ -7,8 +7,9 @@ hand; sweeps resume, so an interrupted run continues where it stopped):
    the profile's fitted length law, one extra seed near the 0.9 boundary) and ``lorapack sweep --preset
    additions-<m>`` (placement.md §3.3: log-uniform / Dirichlet / Zipf rate vectors, homogeneous rank groups,
    padded sets, two extra seeds near the boundary);
-2. per profile: ``lorapack sweep --preset placement-like-<m>``: 600 GPUs as Proposed builds them (a held-out
-   test set, seed 7), scored but never trained on;
+2. per profile: ``lorapack sweep --preset placement-train-<m>``: 2,400 GPUs as Proposed builds them (seed 1),
+   trained on; ``lorapack sweep --preset placement-like-<m>``: 600 more (a held-out test set, seed 7), scored
+   but never trained on;
 3. ``lorapack train`` on both sweeps of both profiles -> ``src/lorapack/models/<gpu>__<model>/surrogate.npz``
    and the training report;
 4. ``lorapack refine`` -> ``tree.npz`` beside each surrogate.
@@ -72,6 +73,11 @@ def main() -> None:
                    *extra, *(["--limit", str(lim)] if lim else [])]
             run(cmd, stages, f"sweep {preset}")
             sweeps.append(str(out))
+        out = args.data / f"placement-train-{m}"  # training rows drawn like the queries (seed 1)
+        cmd = [*lp, "sweep", "--preset", f"placement-train-{m}", "--out", str(out), "--resume", "--workers",
+               str(args.workers), "--no-prune", *(["--limit", str(args.limit)] if args.limit else [])]
+        run(cmd, stages, f"sweep placement-train-{m}")
+        sweeps.append(str(out))
         out = args.data / f"placement-like-{m}"
         cmd = [*lp, "sweep", "--preset", f"placement-like-{m}", "--out", str(out), "--resume", "--workers",
                str(args.workers), "--no-prune"]

@@ -26,23 +26,23 @@ ARRAYS = ("feature", "threshold", "left", "right", "value", "roots")
 
 
 @cached_njit()
-def _eval(X, feature, threshold, left, right, value, roots, mean_agg, base, link, x32, out):
-    n, m = X.shape
+def _eval(X, feature, threshold, left, right, value, roots, mean_agg, base, link, out):
+    """Trees outer, rows inner: one tree's nodes stay in cache while every row walks it (a batch of 1,000
+    rows is ~3x faster than rows outer). Per row the leaf values are added in tree order either way."""
+    n = X.shape[0]
     n_trees = roots.shape[0]
     for i in range(n):
-        acc = 0.0
-        for t in range(n_trees):
-            k = roots[t]
+        out[i] = 0.0
+    for t in range(n_trees):
+        root = roots[t]
+        for i in range(n):
+            k = root
             while left[k] >= 0:
-                f = feature[k]
-                x = X[i, f]
-                if x32:
-                    x = np.float64(np.float32(x))
-                if x <= threshold[k]:
-                    k = left[k]
-                else:
-                    k = right[k]
-            acc += value[k]
+                # preorder layout: the left child is the next node; a select, not a branch the CPU mispredicts
+                k = right[k] if X[i, feature[k]] > threshold[k] else k + 1
+            out[i] += value[k]
+    for i in range(n):
+        acc = out[i]
         if mean_agg:
             acc = acc / n_trees
         acc += base
@@ -90,9 +90,10 @@ class FlatForest:
         inner = self.left >= 0
         if (self.right[inner] < 0).any() or (self.left[~inner] != -1).any():
             raise DataError("tree nodes with one child")
-        # children point forward (every exporter numbers nodes in preorder): walks end, indices stay in range
+        # preorder (every exporter numbers nodes so): the left child is the next node, the right one further on;
+        # walks end and indices stay in range, and the evaluator takes k + 1 for the left child
         idx = np.arange(n)
-        if (self.left[inner] <= idx[inner]).any() or (self.right[inner] <= idx[inner]).any() or \
+        if (self.left[inner] != idx[inner] + 1).any() or (self.right[inner] <= idx[inner] + 1).any() or \
                 (self.left.max() >= n) or (self.right.max() >= n):
             raise DataError("tree children out of order or out of range")
         if (self.feature[inner] < 0).any() or (self.n_features and (self.feature[inner] >= self.n_features).any()):
@@ -113,9 +114,11 @@ class FlatForest:
         X = np.ascontiguousarray(X, dtype=np.float64)
         if X.ndim != 2 or (self.n_features and X.shape[1] != self.n_features):
             raise DataError(f"feature matrix of shape {X.shape}; expected [n, {self.n_features}]")
+        if self.x_float32:  # the features as the sklearn model compared them
+            X = X.astype(np.float32).astype(np.float64)
         out = np.empty(X.shape[0])
         _eval(X, self.feature, self.threshold, self.left, self.right, self.value, self.roots,
-              self.agg == "mean", float(self.base), LINKS.index(self.link), self.x_float32, out)
+              self.agg == "mean", float(self.base), LINKS.index(self.link), out)
         return out
 
     # ---- persistence (plain arrays + a small dict; no pickle) ----
@@ -137,11 +140,31 @@ class FlatForest:
             raise DataError(f"model arrays for '{prefix}' incomplete (missing {e})") from None
 
 
+def _preorder(f: np.ndarray, t: np.ndarray, lft: np.ndarray, rgt: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, ...]:
+    """One tree renumbered in preorder from node 0 (best-first builders number nodes in creation order): the
+    left child of node k becomes k + 1, which the evaluator relies on."""
+    order: list[int] = []
+    stack = [0]
+    while stack:
+        k = stack.pop()
+        order.append(k)
+        if lft[k] >= 0:
+            stack.append(int(rgt[k]))
+            stack.append(int(lft[k]))
+    old = np.asarray(order, dtype=np.int64)
+    new_of = np.full(len(f), -1, dtype=np.int64)
+    new_of[old] = np.arange(len(old))
+    leaf = lft[old] < 0
+    return (f[old], t[old], np.where(leaf, -1, new_of[np.maximum(lft[old], 0)]),
+            np.where(leaf, -1, new_of[np.maximum(rgt[old], 0)]), v[old])
+
+
 def _concat(trees: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
-    """Concatenate per-tree (feature, threshold, left, right, value) with child indices offset."""
+    """Concatenate per-tree (feature, threshold, left, right, value), each in preorder, child indices offset."""
     feats, thrs, lefts, rights, vals, roots = [], [], [], [], [], []
     off = 0
-    for f, t, lft, rgt, v in trees:
+    for tree in trees:
+        f, t, lft, rgt, v = _preorder(*(np.asarray(a) for a in tree))
         roots.append(off)
         feats.append(f)
         thrs.append(t)

@@ -95,7 +95,7 @@ def family_estimator(family: str, target: str, seed: int):
     if family == "hgb":
         est = (HistGradientBoostingClassifier if clf else HistGradientBoostingRegressor)(
             early_stopping=False, random_state=seed)
-        grid = {"learning_rate": [0.1], "max_iter": [200], "max_leaf_nodes": [31, 63], "min_samples_leaf": [10]}
+        grid = {"learning_rate": [0.2], "max_iter": [100], "max_leaf_nodes": [31, 63], "min_samples_leaf": [10]}
         if target in ("throughput", "starved"):
             grid["monotonic_cst"] = [None, _monotonic(target)]
         return est, grid

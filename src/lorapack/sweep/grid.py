@@ -616,6 +616,12 @@ def _placement_like(name: str, model: str) -> GridSpec:
                                    "boundary_seeds": 0, "placement_like": 600, "seeds": [7]})
 
 
+def _placement_train(name: str, model: str) -> GridSpec:
+    """Training rows drawn like the placement-like test set (seed 1, 2,400 GPUs: disjoint from its seed 7): the
+    GPUs Proposed asks about, so the surrogate learns the query distribution, not only the grids around it."""
+    return _placement_like(name, model).model_copy(update={"placement_like": 2400, "seeds": [1]})
+
+
 PRESETS = {
     "paper-llama": lambda: _paper("paper-llama", "llama-3.1-8b-instruct"),
     "paper-qwen": lambda: _paper("paper-qwen", "qwen-2.5-7b-instruct"),
@@ -623,6 +629,8 @@ PRESETS = {
     "additions-qwen": lambda: _additions("additions-qwen", "qwen-2.5-7b-instruct"),
     "placement-like-llama": lambda: _placement_like("placement-like-llama", "llama-3.1-8b-instruct"),
     "placement-like-qwen": lambda: _placement_like("placement-like-qwen", "qwen-2.5-7b-instruct"),
+    "placement-train-llama": lambda: _placement_train("placement-train-llama", "llama-3.1-8b-instruct"),
+    "placement-train-qwen": lambda: _placement_train("placement-train-qwen", "qwen-2.5-7b-instruct"),
 }
 
 
