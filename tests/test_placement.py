@@ -335,6 +335,18 @@ def test_repair_moves_the_last_added_adapters_to_another_gpu() -> None:
     assert all(g.verified.passed for g in plan.gpus) and plan.gpus[0].binding == "throughput"
 
 
+def test_repair_bisects_with_the_verifier_where_the_probe_cannot_tell() -> None:
+    # the probe (search oracle) is as lenient as the method's model (12 req/s), the verifier strict (6): the
+    # probe passes every GPU the verifier fails, so the verifier decides the prefixes -- 4 adapters stay per
+    # GPU in the first round, instead of one adapter moved per round until the rounds run out
+    strict = ToyOracle(6.0)
+    plan = place(instance(np.full(20, 1.25)), LLAMA, "proposed", objective=THR, oracle=ToyOracle(12.0),
+                 search_oracle=ToyOracle(12.0), verify_oracle=strict, capacity=toy_capacity(6.0), workers=1)
+    v = plan.verification
+    assert v["passed"] and v["repair_rounds"] <= 2, v["events"]
+    assert all(len(g.adapters) <= 4 for g in plan.gpus) and plan.gpus_used == 5
+
+
 def test_repair_opens_new_gpus_or_says_how_many_the_pool_lacks() -> None:
     # verifier at 6 req/s: 4 adapters per GPU; the 8 moved ones need two new GPUs (the bound is 5 too)
     plan = _repair_case(6.0)

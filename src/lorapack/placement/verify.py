@@ -6,7 +6,9 @@ objective holds in every seed. A failing GPU is repaired: if vLLM refuses to sta
 the largest value that starts; then the GPU keeps the longest prefix of its registration order that passes
 (bisection) and the rest — its last-added adapters — moves to the least-loaded passing GPU that takes it,
 else onto new GPUs filled by the greedy driver with the twin as the oracle. New and changed GPUs are verified
-again, until every GPU passes or the pool forbids another GPU.
+again, until every GPU passes or the pool forbids another GPU. The repair's questions go to the twin at the
+search settings (the probe) until the probe passes a GPU the verifier failed; from then on the verifier answers
+them (otherwise each round would move one adapter and fail again).
 """
 
 from __future__ import annotations
@@ -133,6 +135,13 @@ def repair(inst: Instance, profile: Profile, fills: list[GpuFill], objective: Ob
                 a = max(1, min(a, mem.max_slots(s)))
                 log.max_loras_lowered += 1
                 log.events.append(f"GPU {gi}: --max-loras {f.max_loras} does not start; lowered to {a}")
+            if probe is not verifier and a == f.max_loras and \
+                    _passes(inst, profile, f, shares, len(f.entries), a, objective, probe):
+                # the probe passes a GPU the verifier failed (a per-adapter starvation its shorter window does
+                # not see, a seed it did not run): it cannot guide this repair; the verifier answers from here on
+                probe = verifier
+                log.events.append(f"GPU {gi}: the probe passes what verification failed; the verifier answers "
+                                  f"the repair's questions from here on")
             keep = _longest_passing_prefix(inst, profile, f, shares, a, objective, probe)
             if keep == 0:
                 first = inst.adapter_ids[f.entries[0]]
@@ -159,13 +168,19 @@ def repair(inst: Instance, profile: Profile, fills: list[GpuFill], objective: Ob
     return fills, verdicts, log
 
 
+def _passes(inst: Instance, profile: Profile, f: GpuFill, shares: list[float], p: int, a: int,
+            objective: Objective, oracle: Oracle) -> bool:
+    """Whether the first ``p`` entries of ``f`` with ``--max-loras a`` pass ``oracle``."""
+    g = _with(f, f.entries[:p], shares[:p], a)
+    c = fill_candidate(inst, profile, g)
+    return judge(objective, c, g.entries, oracle.predict([c])[0]).passed
+
+
 def _longest_passing_prefix(inst: Instance, profile: Profile, f: GpuFill, shares: list[float], a: int,
                             objective: Objective, probe: Oracle) -> int:
     """Largest p such that the first p entries pass ``probe`` (bisection; p = 0 if even one fails)."""
     def ok(p: int) -> bool:
-        g = _with(f, f.entries[:p], shares[:p], a)
-        c = fill_candidate(inst, profile, g)
-        return judge(objective, c, g.entries, probe.predict([c])[0]).passed
+        return _passes(inst, profile, f, shares, p, a, objective, probe)
 
     lo, hi = 0, len(f.entries)  # ok(lo) assumed (empty), ok(hi) known to fail with the old --max-loras
     if a != f.max_loras and ok(hi):  # a lower --max-loras was the whole fix
