@@ -9,7 +9,10 @@ Measures, for one profile (best of ``--repeats`` runs each, single thread):
 * the twin oracle per candidate (one seed, early termination on), on ``--twin`` candidates.
 
 Targets (issue 8): learned <= 0.1 ms single and <= 5 ms per 1,000 candidates; trees <= 1 us per candidate in
-a batch; the twin as measured. Usage: ``python bench/oracle_speed.py [--model M] [--models DIR] [--twin 20]``.
+a batch; the twin as measured. "Per 1,000 candidates" is read as the compiled evaluation of the feasibility
+oracle the paper times (throughput + starvation models on a feature matrix, as a compiled placement loop calls
+them); the latency models and ``predict()`` end to end (start-up rule, features, four targets, ``Prediction``
+objects) are printed beside it. Usage: ``python bench/oracle_speed.py [--model M] [--models DIR] [--twin 20]``.
 """
 
 from __future__ import annotations
