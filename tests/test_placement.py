@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -345,6 +346,26 @@ def test_repair_bisects_with_the_verifier_where_the_probe_cannot_tell() -> None:
     v = plan.verification
     assert v["passed"] and v["repair_rounds"] <= 2, v["events"]
     assert all(len(g.adapters) <= 4 for g in plan.gpus) and plan.gpus_used == 5
+
+
+class _SlotToy(ToyOracle):
+    """Starved whenever fewer slots than adapters (adapters swapping starve), else as ``ToyOracle``."""
+
+    def predict(self, cands):
+        out = super().predict(cands)
+        return [replace(p, starved=1.0, throughput_tok_s=0.5 * p.incoming_tok_s)
+                if c.max_loras < c.n_adapters and p.fits else p for c, p in zip(cands, out, strict=True)]
+
+
+def test_repair_raises_max_loras_where_adapters_starve_while_swapping() -> None:
+    # the model prefers --max-loras 8 (16 adapters at 0.5 req/s on GPU 0); the verifier starves any GPU with
+    # fewer slots than adapters: the repair gives GPU 0 all 16 slots instead of moving adapters away
+    plan = place(instance(np.full(20, 0.5)), LLAMA, "proposed", objective=THR, oracle=ToyOracle(12.0, prefer_a=8),
+                 search_oracle=ToyOracle(12.0), verify_oracle=_SlotToy(12.0), capacity=toy_capacity(12.0),
+                 workers=1)
+    v = plan.verification
+    assert v["passed"] and v["max_loras_raised"] >= 1 and v["moved_adapters"] == 0, v["events"]
+    assert all(g.max_loras == len(g.adapters) for g in plan.gpus)
 
 
 def test_repair_opens_new_gpus_or_says_how_many_the_pool_lacks() -> None:

@@ -410,6 +410,7 @@ def _verification_dict(verifier: Oracle, seeds: int, before: int, fills: list[Gp
             "passed": all(v.passed for v in verdicts), "gpus_before": before, "gpus_after": len(fills),
             "gpus_added": log.added_gpus, "repair_rounds": log.rounds, "gpus_cut": log.cut_gpus,
             "moved_adapters": log.moved_entries, "max_loras_lowered": log.max_loras_lowered,
+            "max_loras_raised": log.max_loras_raised,
             "events": log.events[:50], "simulations": getattr(verifier, "n_simulations", None)}
 
 

@@ -3,7 +3,8 @@
 Every GPU of a plan is simulated by the twin for the full hour with several seeds (in worker processes). A GPU
 passes when vLLM starts, no seed is starved (run level or any adapter) and every latency limit of the
 objective holds in every seed. A failing GPU is repaired: if vLLM refuses to start, ``--max-loras`` drops to
-the largest value that starts; then the GPU keeps the longest prefix of its registration order that passes
+the largest value that starts; if its adapters starved while swapping (binding ``slots``), the largest
+``--max-loras`` that starts is tried first (judged by the verifier); then the GPU keeps the longest prefix of its registration order that passes
 (bisection) and the rest — its last-added adapters — moves to the least-loaded passing GPU that takes it,
 else onto new GPUs filled by the greedy driver with the twin as the oracle. New and changed GPUs are verified
 again, until every GPU passes or the pool forbids another GPU. The repair's questions go to the twin at the
@@ -21,7 +22,7 @@ import numpy as np
 
 from ..oracle import GpuCandidate, Oracle, Prediction, default_slot_rank
 from ..profile import Profile
-from .greedy import GpuFill, GreedyOptions, Infeasible, MemoryRule, fit_slots, greedy_fill
+from .greedy import GpuFill, GreedyOptions, Infeasible, MemoryRule, fit_slots, greedy_fill, slot_candidates
 from .problem import Instance, Objective
 from .search import first_true
 
@@ -87,6 +88,7 @@ class RepairLog:
     moved_entries: int = 0
     added_gpus: int = 0
     max_loras_lowered: int = 0
+    max_loras_raised: int = 0  # GPUs whose adapters starved while swapping, fixed by more slots
     events: list[str] = field(default_factory=list)
 
 
@@ -135,6 +137,17 @@ def repair(inst: Instance, profile: Profile, fills: list[GpuFill], objective: Ob
                 a = max(1, min(a, mem.max_slots(s)))
                 log.max_loras_lowered += 1
                 log.events.append(f"GPU {gi}: --max-loras {f.max_loras} does not start; lowered to {a}")
+            elif v.reason == "slots":
+                # adapters starved while swapping in and out: more slots (all resident if vLLM starts so) may be
+                # the whole fix; the verifier judges it, since per-adapter starvation is what failed
+                up = [x for x in slot_candidates(len(f.entries), s, mem, options.slot_grid) if x > a]
+                if up and _passes(inst, profile, f, shares, len(f.entries), up[-1], objective, verifier):
+                    fills[gi] = _with(f, f.entries, shares, up[-1])
+                    fills[gi].binding = f.binding
+                    log.max_loras_raised += 1
+                    log.events.append(f"GPU {gi}: --max-loras {a} -> {up[-1]} ({v.detail} while swapping)")
+                    changed.add(gi)
+                    continue
             if probe is not verifier and a == f.max_loras and \
                     _passes(inst, profile, f, shares, len(f.entries), a, objective, probe):
                 # the probe passes a GPU the verifier failed (a per-adapter starvation its shorter window does
