@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data_helpers import run_main
 from lorapack.errors import SpecError
 from lorapack.profile import find_profile
 from lorapack.sweep import (
@@ -35,28 +36,11 @@ from lorapack.sweep import (
     with_overrides,
 )
 from lorapack.sweep.work import clear_request_cache, config_requests, features
+from sweep_helpers import TINY, write_grid
 
 LLAMA = "llama-3.1-8b-instruct"
 REPO = Path(__file__).resolve().parents[1]
 
-# a tiny grid: short window, fixed lengths -> a few ms per config
-TINY = """\
-name: tiny
-model: llama-3.1-8b-instruct
-rate_tuples: [[0.4, 0.1, 0.05], [3.2, 1.6, 0.8]]
-rank_tuples: [[8, 8, 16], [8, 16, 32]]
-served_adapters: [8, 16, 32]
-adapter_slots: [8, 16]
-lengths: {kind: fixed, mean_input_tokens: 223, mean_output_tokens: 197}
-duration_s: 120
-seeds: [3]
-"""
-
-
-def _grid(tmp_path: Path, text: str = TINY, name: str = "grid.yaml") -> Path:
-    p = tmp_path / name
-    p.write_text(textwrap.dedent(text))
-    return p
 
 
 def _comparable(out: Path) -> dict[str, dict]:
@@ -96,14 +80,14 @@ def test_paper_presets_enumerate_the_paper_grid():
 
 
 def test_grid_yaml_sizes_and_round_trip(tmp_path):
-    g = load_grid(_grid(tmp_path))
+    g = load_grid(write_grid(tmp_path))
     assert g.size == 2 * 2 * 5  # (A, N) pairs: (8,8) (8,16) (8,32) (16,16) (16,32)
-    pool = load_grid(_grid(tmp_path, TINY.replace("rate_tuples: [[0.4, 0.1, 0.05], [3.2, 1.6, 0.8]]",
+    pool = load_grid(write_grid(tmp_path, TINY.replace("rate_tuples: [[0.4, 0.1, 0.05], [3.2, 1.6, 0.8]]",
                                                   "rate_pool_rps: [1, 2, 3, 4, 5]\nrate_tuple_size: 2"), "p.yaml"))
     assert len(pool.rate_tuple_list()) == 10 and pool.size == 10 * 2 * 5
     from lorapack.sweep import grid_yaml
 
-    again = load_grid(_grid(tmp_path, grid_yaml(g), "again.yaml"))
+    again = load_grid(write_grid(tmp_path, grid_yaml(g), "again.yaml"))
     assert again == g and again.grid_hash() == g.grid_hash()
 
 
@@ -129,7 +113,7 @@ def test_grid_yaml_sizes_and_round_trip(tmp_path):
     ("model: [unclosed\n", 2, "malformed YAML"),
 ])
 def test_grid_errors_are_one_line_with_the_line_number(tmp_path, text, line, message):
-    p = _grid(tmp_path, text)
+    p = write_grid(tmp_path, text)
     with pytest.raises(SpecError) as exc:
         load_grid(p)
     msg = str(exc.value)
@@ -216,7 +200,7 @@ def test_oom_rows_are_written_without_simulating(tmp_path):
     prof = find_profile(LLAMA)
     big = next(a for a in (96, 128, 160, 192, 256) if not prof.startup(a, 32)[0])
     assert prof.startup(8, 32)[0]
-    grid = _grid(tmp_path, f"""\
+    grid = write_grid(tmp_path, f"""\
         model: {LLAMA}
         rate_tuples: [[0.05, 0.025, 0.0125]]
         rank_tuples: [[8, 16, 32]]
@@ -261,7 +245,7 @@ def test_pruning_fills_the_series_after_two_starving_points(tmp_path):
 
 
 def test_request_cache_is_shared_read_only_and_changes_nothing(tmp_path):
-    g = load_grid(_grid(tmp_path))
+    g = load_grid(write_grid(tmp_path))
     prof = find_profile(LLAMA)
     configs = [c for c in enumerate_configs(g) if c.served_adapters == 16]
     clear_request_cache()
@@ -296,7 +280,7 @@ def test_request_cache_is_shared_read_only_and_changes_nothing(tmp_path):
 
 
 def test_resume_after_a_crash_gives_the_uninterrupted_rows(tmp_path):
-    g = load_grid(_grid(tmp_path))
+    g = load_grid(write_grid(tmp_path))
     ref = tmp_path / "ref"
     run_sweep(g, ref, workers=1)
     out = tmp_path / "out"
@@ -329,7 +313,7 @@ def test_resume_after_a_crash_gives_the_uninterrupted_rows(tmp_path):
 
 
 def test_resume_with_a_larger_limit_extends_the_prefix(tmp_path):
-    g = load_grid(_grid(tmp_path))
+    g = load_grid(write_grid(tmp_path))
     out = tmp_path / "out"
     five, twelve = select_configs(g, 5), select_configs(g, 12)
     assert 5 <= len(five) < len(twelve) and [c.config_id for c in twelve[: len(five)]] == [
@@ -384,7 +368,7 @@ def _alive(pid: int) -> bool:
 def test_sigkill_of_the_main_process_alone_then_resume_gives_every_row_once(tmp_path):
     text = TINY.replace("served_adapters: [8, 16, 32]", "served_adapters: [8, 16, 32, 48, 64]").replace(
         "duration_s: 120", "duration_s: 360")
-    g = load_grid(_grid(tmp_path, text))
+    g = load_grid(write_grid(tmp_path, text))
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "grid.yaml"), str(out)],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -422,7 +406,7 @@ def test_sigkill_of_the_main_process_alone_then_resume_gives_every_row_once(tmp_
 
 def test_local_and_ray_backends_give_identical_rows(tmp_path):
     # no skip: `make test` installs the ray extra, and CI must run this against a local Ray instance
-    g = load_grid(_grid(tmp_path))
+    g = load_grid(write_grid(tmp_path))
     run_sweep(g, tmp_path / "local", backend="local", workers=2)
     s = run_sweep(g, tmp_path / "ray", backend="ray", workers=2)
     assert s["rows"] == g.size and s["backend"] == "ray"
@@ -436,33 +420,20 @@ def test_local_and_ray_backends_give_identical_rows(tmp_path):
 # CLI
 
 
-def _cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    from lorapack.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["lorapack", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code or 0
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
-
 def test_cli_json_summary_and_resume(tmp_path, monkeypatch, capsys):
-    grid = _grid(tmp_path)
-    code, out, err = _cli(monkeypatch, capsys, "sweep", str(grid), "--out", str(tmp_path / "o"), "--workers",
+    grid = write_grid(tmp_path)
+    code, out, err = run_main(monkeypatch, capsys, "sweep", str(grid), "--out", str(tmp_path / "o"), "--workers",
                           "1", "--limit", "7", "--json")
     assert code == 0, err
     s = json.loads(out)
     assert {"rows", "simulated", "skipped_oom", "grid_size", "configs_per_s", "out"} <= set(s)
     seven = len(select_configs(load_grid(grid), 7))  # whole series until >= 7 configs
     assert (s["rows"], s["grid_size"], s["out"]) == (seven, 20, str(tmp_path / "o")) and seven >= 7
-    code, out, err = _cli(monkeypatch, capsys, "sweep", str(grid), "--out", str(tmp_path / "o"), "--workers",
+    code, out, err = run_main(monkeypatch, capsys, "sweep", str(grid), "--out", str(tmp_path / "o"), "--workers",
                           "1", "--resume", "--json")
     assert code == 0, err
     assert json.loads(out)["rows"] == 20 - seven
-    code, out, _ = _cli(monkeypatch, capsys, "sweep", "--preset", "paper-qwen", "--print-grid")
+    code, out, _ = run_main(monkeypatch, capsys, "sweep", "--preset", "paper-qwen", "--print-grid")
     assert code == 0 and "qwen-2.5-7b-instruct" in out and "rate_pool_rps" in out
 
 
@@ -481,10 +452,10 @@ def test_cli_json_summary_and_resume(tmp_path, monkeypatch, capsys):
     (("{grid}", "--out", "{grid}"), "exists and is not a directory"),
 ])
 def test_cli_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys, args, message):
-    grid = _grid(tmp_path)
-    bad = _grid(tmp_path, "model: llama-3.1-8b-instruct\nrank_tuples: [[8, 0]]\n", "bad.yaml")
+    grid = write_grid(tmp_path)
+    bad = write_grid(tmp_path, "model: llama-3.1-8b-instruct\nrank_tuples: [[8, 0]]\n", "bad.yaml")
     argv = [a.format(tmp=tmp_path, grid=grid, bad=bad) for a in args]
-    code, out, err = _cli(monkeypatch, capsys, "sweep", *argv)
+    code, out, err = run_main(monkeypatch, capsys, "sweep", *argv)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
@@ -492,7 +463,7 @@ def test_cli_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys, args, me
 
 
 def test_cli_existing_sweep_needs_resume_subprocess(tmp_path):
-    grid = _grid(tmp_path)
+    grid = write_grid(tmp_path)
     out = tmp_path / "o"
     run_sweep(load_grid(grid), out, workers=1, limit=2)
     p = subprocess.run([sys.executable, "-m", "lorapack.cli", "sweep", str(grid), "--out", str(out)],
@@ -508,7 +479,7 @@ def test_cli_unreachable_ray_address_fails_fast(tmp_path, monkeypatch, capsys):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t0 = time.monotonic()
-    code, _, err = _cli(monkeypatch, capsys, "sweep", str(_grid(tmp_path)), "--out", str(tmp_path / "x"),
+    code, _, err = run_main(monkeypatch, capsys, "sweep", str(write_grid(tmp_path)), "--out", str(tmp_path / "x"),
                         "--backend", "ray", "--address", f"127.0.0.1:{port}")
     assert code == 2 and time.monotonic() - t0 < 30
     assert err.count("\n") == 1 and f"--address 127.0.0.1:{port}: cannot reach a Ray cluster there" in err
@@ -518,7 +489,7 @@ def test_cli_unreachable_ray_address_fails_fast(tmp_path, monkeypatch, capsys):
 def test_two_sweeps_cannot_write_one_directory(tmp_path):
     from lorapack.sweep.store import lock_dir
 
-    g = load_grid(_grid(tmp_path))
+    g = load_grid(write_grid(tmp_path))
     out = tmp_path / "out"
     out.mkdir()
     with lock_dir(out), pytest.raises(SpecError, match="another sweep is writing to this directory"):
@@ -530,7 +501,7 @@ def test_two_sweeps_cannot_write_one_directory(tmp_path):
 
 def test_plain_grids_keep_their_config_ids(tmp_path):
     """The additions add fields; configs without them hash exactly as before (format 2 sweeps resume)."""
-    g = load_grid(_grid(tmp_path))
+    g = load_grid(write_grid(tmp_path))
     cs = enumerate_configs(g)
     assert g.grid_hash() == "a7ab78ba735c6536"
     assert (cs[0].config_id, cs[7].config_id, cs[7].series_id) == ("d7bd4e410bd65dc7", "d8a8d0c2112296c6",
@@ -545,7 +516,7 @@ def test_rate_laws_padding_and_sizes(tmp_path):
           - {kind: zipf, low_rps: 1.0, high_rps: 4.0, exponent: 1.2}
         pad_fractions: [0.7]
         """)
-    g = load_grid(_grid(tmp_path, text))
+    g = load_grid(write_grid(tmp_path, text))
     cs = enumerate_configs(g)
     assert g.size == len(cs) == 4 * 2 * 2 * 5 and len({c.config_id for c in cs}) == len(cs)
     for c in cs:
@@ -563,9 +534,9 @@ def test_rate_laws_padding_and_sizes(tmp_path):
             assert np.allclose(q[c.n_real:], real.mean()) and (r[c.n_real:] == r[: c.n_real].min()).all()
             assert c.max_lora_rank == r.max()
     with pytest.raises(SpecError, match="pad_fractions"):
-        load_grid(_grid(tmp_path, text.replace("[0.7]", "[1.5]"), "bad.yaml"))
+        load_grid(write_grid(tmp_path, text.replace("[0.7]", "[1.5]"), "bad.yaml"))
     with pytest.raises(SpecError, match="rate_laws"):
-        load_grid(_grid(tmp_path, text.replace("kind: zipf", "kind: pareto"), "bad2.yaml"))
+        load_grid(write_grid(tmp_path, text.replace("kind: zipf", "kind: pareto"), "bad2.yaml"))
 
 
 def test_boundary_seeds_rerun_configs_near_the_label_boundary():

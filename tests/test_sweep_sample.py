@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from data_helpers import run_main
 from lorapack.sweep import (
     enumerate_configs,
     estimate_sweep,
@@ -24,40 +23,10 @@ from lorapack.sweep import (
     with_overrides,
 )
 from lorapack.sweep.estimate import generation_s, stratified_total
+from sweep_helpers import write_grid
 
-# tests/test_sweep.py's tiny grid: series of 3 configs (A = 8) and 2 configs (A = 16)
-TINY = """\
-name: tiny
-model: llama-3.1-8b-instruct
-rate_tuples: [[0.4, 0.1, 0.05], [3.2, 1.6, 0.8]]
-rank_tuples: [[8, 8, 16], [8, 16, 32]]
-served_adapters: [8, 16, 32]
-adapter_slots: [8, 16]
-lengths: {kind: fixed, mean_input_tokens: 223, mean_output_tokens: 197}
-duration_s: 120
-seeds: [3]
-"""
 ESTIMATE_KEYS = {"projected_wall_s", "sample_configs", "sample_series", "sample_wall_s", "total_configs",
                  "total_series"}
-
-
-def _grid(tmp_path: Path, text: str = TINY) -> Path:
-    p = tmp_path / "grid.yaml"
-    p.write_text(textwrap.dedent(text))
-    return p
-
-
-def _cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    from lorapack.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["lorapack", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code or 0
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -100,7 +69,7 @@ def test_limit_order_is_deterministic_and_seeded():
 
 
 def test_limit_larger_than_the_grid_takes_everything(tmp_path):
-    g = load_grid(_grid(tmp_path))
+    g = load_grid(write_grid(tmp_path))
     assert {c.config_id for c in select_configs(g, 10_000)} == {c.config_id for c in enumerate_configs(g)}
 
 
@@ -156,11 +125,11 @@ def _no_leftovers(monkeypatch, tmp_path: Path) -> Path:
 
 def test_estimate_cli_json_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
     scratch = _no_leftovers(monkeypatch, tmp_path)
-    grid = _grid(tmp_path)
+    grid = write_grid(tmp_path)
     work = tmp_path / "cwd"
     work.mkdir()
     monkeypatch.chdir(work)
-    code, out, err = _cli(monkeypatch, capsys, "sweep", str(grid), "--estimate", "--estimate-configs", "4",
+    code, out, err = run_main(monkeypatch, capsys, "sweep", str(grid), "--estimate", "--estimate-configs", "4",
                           "--workers", "1", "--boundary-seeds", "1", "--out", str(tmp_path / "never"), "--json")
     assert code == 0, err
     est = json.loads(out)
@@ -177,17 +146,17 @@ def test_estimate_cli_json_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
 
 def test_estimate_text_with_two_workers_and_a_limit(tmp_path, monkeypatch, capsys):
     scratch = _no_leftovers(monkeypatch, tmp_path)
-    code, out, err = _cli(monkeypatch, capsys, "sweep", str(_grid(tmp_path)), "--estimate", "--limit", "12",
+    code, out, err = run_main(monkeypatch, capsys, "sweep", str(write_grid(tmp_path)), "--estimate", "--limit", "12",
                           "--estimate-configs", "5", "--workers", "2")
     assert code == 0, err
     assert "projected wall time" in out and "--limit 12" in out and "Nothing was written" in out
-    assert f"for --limit 12: {len(select_configs(load_grid(_grid(tmp_path)), 12))} configs" in " ".join(out.split())
+    assert f"for --limit 12: {len(select_configs(load_grid(write_grid(tmp_path)), 12))} configs" in " ".join(out.split())
     assert not list(scratch.iterdir())
 
 
 def test_estimate_of_the_whole_grid_is_its_own_run(tmp_path, monkeypatch):
     _no_leftovers(monkeypatch, tmp_path)
-    g = load_grid(_grid(tmp_path))
+    g = load_grid(write_grid(tmp_path))
     est = estimate_sweep(g, workers=1, sample_configs=10_000)
     assert est["sample_configs"] == est["total_configs"] == g.size
     assert est["projected_wall_s_se"] == 0.0
@@ -206,8 +175,8 @@ def test_estimate_of_the_whole_grid_is_its_own_run(tmp_path, monkeypatch):
 ])
 def test_estimate_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys, args, message):
     scratch = _no_leftovers(monkeypatch, tmp_path)
-    argv = [a.format(tmp=tmp_path, grid=_grid(tmp_path)) for a in args]
-    code, out, err = _cli(monkeypatch, capsys, "sweep", *argv)
+    argv = [a.format(tmp=tmp_path, grid=write_grid(tmp_path)) for a in args]
+    code, out, err = run_main(monkeypatch, capsys, "sweep", *argv)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
