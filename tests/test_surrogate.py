@@ -270,3 +270,22 @@ def test_features_is_the_only_feature_code() -> None:
                     offenders.append(f"{path.name}:{node.lineno} sets feature '{k.value}'")
     assert not offenders, offenders
     assert set(DERIVED) <= set(FEATURE_NAMES)
+
+
+def test_each_target_trains_on_the_rows_that_carry_its_label() -> None:
+    """Throughput / starved: every simulated row; ITL and TTFT: full runs and healthy early stops only (a
+    starved stop's latency still drifts; healthy stops are the light GPUs' only latency labels)."""
+    from lorapack.oracle import FEATURE_NAMES
+    from lorapack.surrogate.dataset import Dataset
+
+    kinds = np.array(["full", "early_healthy_converged", "early_certain_starved", "early_likely_starved"])
+    n = len(kinds)
+    cols = {"obtained": kinds, "throughput_tok_s": np.full(n, 900.0), "incoming_expected_tok_s": np.full(n, 1000.0),
+            "starved": np.array([False, False, True, True]), "itl_mean_ms": np.full(n, 20.0),
+            "ttft_mean_ms": np.full(n, 150.0)}
+    ds = Dataset(model="m", gpu="g", X=np.zeros((n, len(FEATURE_NAMES))), cols=cols, sources=[])
+    rows = {t: kinds[ds.target(t)[0]].tolist() for t in ("throughput", "starved", "itl", "ttft")}
+    assert rows["throughput"] == rows["starved"] == kinds.tolist()
+    assert rows["itl"] == rows["ttft"] == ["full", "early_healthy_converged"]
+    ok, y = ds.target("ttft")
+    assert np.allclose(np.exp(y), 150.0)

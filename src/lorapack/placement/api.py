@@ -339,7 +339,8 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
                                placement_ms=placement_ms, verification_ms=(time.perf_counter() - t1) * 1e3)
         fills = _normalise(inst, fills)
         consolidated = None
-        if METHOD_ORACLE.get(method) in ("surrogate", "tree") and method in GREEDY_METHODS and ctx.options.rebalance:
+        # a learned method's plan (the same test as the twin's confirmation in the greedy: a learned oracle)
+        if method in GREEDY_METHODS and ctx.options.rebalance and getattr(ctx.method_oracle(method), "learned", False):
             fills, verdicts, consolidated = _consolidate(inst, ctx, fills, verdicts, verifier, bound)
         verification_ms = (time.perf_counter() - t1) * 1e3
         verification = _verification_dict(verifier, verify_seeds, before, fills, verdicts, log)
