@@ -121,6 +121,42 @@ def test_too_few_requests_is_an_error(trace):
         _derive(trace, n_adapters=10_000)
 
 
+def test_load_profile_is_the_estimation_windows_swings(trace):
+    from lorapack.workload.derive import RATE_PROFILE_PERIOD_S, load_profile
+
+    # 10 arrivals in the first minute, 30 in the second, 5 in a half-minute tail: rates 10, 30, 10 per minute
+    t = np.concatenate([np.linspace(0, 59, 10), np.linspace(60, 119, 30), np.linspace(120, 149, 5)])
+    m = load_profile(t, 150.0, 60.0)
+    assert m == pytest.approx(np.array([10, 30, 10]) / (45 / 2.5))
+    assert np.dot(m, [60, 60, 30]) / 150 == pytest.approx(1.0)  # mean 1, weighted by period length
+    assert load_profile(np.empty(0), 100.0).tolist() == [1.0]
+    d = _derive(trace)
+    assert len(d.rate_profile) == math.ceil(300.0 / RATE_PROFILE_PERIOD_S)
+    assert d.rate_profile.mean() == pytest.approx(1.0)
+    assert d.workload().arrivals.kind == "poisson"
+    law = d.workload(rate_profile=True).arrivals
+    assert law.kind == "modulated" and law.multipliers == pytest.approx(d.rate_profile.tolist())
+
+
+def test_verify_arrivals_reach_the_placer(tmp_path, trace_file):
+    laws = {}
+
+    class Recording(ToyPlacer):
+        def place(self, workload, profile, req):
+            laws[req.method] = workload.arrivals.kind
+            return super().place(workload, profile, req)
+
+    for choice, kind in (("estimation", "modulated"), ("poisson", "poisson")):
+        sc = load_scenarios(_scenario_file(tmp_path, trace_file, f"n_adapters: 16\nmax_pack: false\n"
+                                                                 f"verify_arrivals: {choice}\n"))
+        assert sc[0].verify_arrivals == choice and sc[0].as_dict()["verify_arrivals"] == choice
+        laws.clear()
+        evaluate_scenarios(sc, Recording(), methods=("toy-pack",))
+        assert laws == {"toy-pack": kind}
+    with pytest.raises(SpecError, match=r"sc\.yaml:4: verify_arrivals"):
+        load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: 16\nverify_arrivals: bursty\n"))
+
+
 def test_shipped_trace_golden(data_dir):
     tr = load_trace(data_dir / "traces" / "azure-llm-2023-conv.csv")
     assert len(tr) == 19_366

@@ -91,6 +91,20 @@ def test_twin_oracle_answers_like_the_twin() -> None:
     assert again.throughput_tok_s == p_light.throughput_tok_s and again.ttft_s == p_light.ttft_s
 
 
+def test_twin_oracle_simulates_the_given_arrival_law() -> None:
+    from lorapack.spec import ModulatedArrivals, TraceArrivals
+
+    c = cand(n=16, a=16, rate=0.3)
+    steady = TwinOracle(duration_s=600.0, early_stop=False)
+    # the same mean rate in bursts: double for a minute, nothing the next
+    bursty = TwinOracle(duration_s=600.0, early_stop=False, arrivals=ModulatedArrivals(multipliers=[2.0, 0.0]))
+    p_steady, p_bursty = steady.predict([c])[0], bursty.predict([c])[0]
+    assert p_bursty.incoming_tok_s == pytest.approx(p_steady.incoming_tok_s, rel=0.15)
+    assert p_bursty.ttft_s > p_steady.ttft_s
+    with pytest.raises(SpecError, match="arrivals of kind 'trace'.*poisson, lognormal, modulated"):
+        TwinOracle(arrivals=TraceArrivals(path="x.csv"))
+
+
 def test_sweep_rows_use_the_oracle_features() -> None:
     from lorapack.sweep import enumerate_configs, preset_grid
     from lorapack.sweep.store import COLUMNS

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from data_helpers import run_main
@@ -102,12 +103,26 @@ def test_bad_workloads_exit_2_with_one_line_and_write_nothing(tmp_path, monkeypa
     (("--max-ttft-s", "0"), "--max-ttft-s"),
     (("--out", "FILE"), "not a directory"),
     (("--out", "missing/deeper"), "does not exist"),
+    (("--verify-arrivals", "nope.csv"), "--verify-arrivals nope.csv: expected 'workload', 'poisson' or an existing"),
 ])
 def test_bad_options_exit_2_before_any_work(tmp_path, monkeypatch, capsys, args, match) -> None:
     (tmp_path / "FILE").write_text("x")
     monkeypatch.chdir(tmp_path)
     code, stdout, err = run_main(monkeypatch, capsys, "place", example_workload(), "--model", LLAMA, *args)
     assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_verification_follows_a_traces_load_swings(tmp_path, monkeypatch, capsys) -> None:
+    wl = _csv(tmp_path, "".join(f"a{i},8,0.05,\n" for i in range(4)))
+    trace = tmp_path / "t.csv"  # 30 arrivals in the first minute, 10 in the second
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n"
+                     + "".join(f"{t:.3f},100,50\n" for t in [*np.linspace(0, 59, 30), *np.linspace(60, 119, 10)]))
+    code, stdout, err = run_main(monkeypatch, capsys, "place", wl, "--model", LLAMA, "--method", "proposed-exact",
+                                 "--verify-seeds", "1", "--verify-arrivals", trace, "--out", tmp_path / "out", "--json")
+    assert code == 0, err
+    law = json.loads(stdout)["settings"]["verify_arrivals"]
+    assert law == {"kind": "modulated", "period_s": 60.0, "periods": 2, "mean_multiplier": pytest.approx(1.0),
+                   "max_multiplier": pytest.approx(1.5)}
 
 
 def test_a_pool_too_small_says_how_many_gpus_are_needed(tmp_path, monkeypatch, capsys) -> None:

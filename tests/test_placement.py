@@ -287,6 +287,28 @@ def test_plans_are_deterministic() -> None:
         assert a == b, method
 
 
+def test_the_verifier_simulates_the_workloads_own_arrival_law() -> None:
+    from lorapack.placement.api import Context
+    from lorapack.spec import Adapter, ModulatedArrivals, TraceArrivals, Workload
+
+    law = ModulatedArrivals(period_s=60.0, multipliers=[0.5, 1.5, 1.0])
+    adapters = [Adapter(adapter_id=f"a{i}", rank=8, rate_rps=0.2) for i in range(6)]
+    for arrivals, expected in ((law, {"kind": "modulated", "period_s": 60.0, "periods": 3,
+                                      "mean_multiplier": 1.0, "max_multiplier": 1.5}),
+                               (None, {"kind": "poisson"})):
+        wl = Workload(adapters=adapters, **({"arrivals": arrivals} if arrivals else {}))
+        plan = place(wl, LLAMA, "proposed-exact", objective=THR, **toy_kwargs(9.0))
+        assert plan.settings["verify_arrivals"] == expected
+    assert place(Workload(adapters=adapters, arrivals=law), LLAMA, "proposed-exact", objective=THR, verify=False,
+                 **toy_kwargs(9.0)).settings["verify_arrivals"] is None
+    # the twin verifier gets the law (the searches stay Poisson: their early stop assumes steady arrivals)
+    ctx = Context(profile=LLAMA, objective=THR, verify_arrivals=law)
+    assert ctx.verifier(3).arrivals is law and ctx.twin().arrivals is None
+    with pytest.raises(SpecError, match="arrivals of kind 'trace'"):
+        place(instance([0.1]), LLAMA, "proposed-exact", verify_arrivals=TraceArrivals(path="t.csv"),
+              **toy_kwargs(9.0))
+
+
 def test_bad_input_is_refused_before_any_work() -> None:
     from lorapack.placement import make_instance
 

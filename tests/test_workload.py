@@ -19,6 +19,7 @@ from lorapack.spec import (
     AdapterGroup,
     LengthsSpec,
     LognormalArrivals,
+    ModulatedArrivals,
     PoissonArrivals,
     TraceArrivals,
     UnpredictableArrivals,
@@ -37,6 +38,7 @@ from lorapack.workload import (
     unpredictable_rate_multipliers,
     with_mean_lengths,
 )
+from lorapack.workload.cost import estimate_workload
 from lorapack.workload.generate import _stable_time_order
 from lorapack.workload.lengths import MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS, MIN_TOKENS
 
@@ -306,7 +308,8 @@ def test_csv_bad_rate_reports_its_line(tmp_path: Path, rows, bad_row: int, bad: 
 
 
 ARRIVAL_KINDS = [PoissonArrivals(), LognormalArrivals(sigma=0.8),
-                 UnpredictableArrivals(period_s=50.0, factor=2.0, clip=8.0)]
+                 UnpredictableArrivals(period_s=50.0, factor=2.0, clip=8.0),
+                 ModulatedArrivals(period_s=40.0, multipliers=[0.5, 1.8, 0.0, 1.2])]
 
 
 @pytest.mark.parametrize("arrivals", ARRIVAL_KINDS, ids=lambda a: a.kind)
@@ -382,7 +385,9 @@ def test_common_random_numbers(tmp_path: Path, rates, data, seed, kind, arrivals
             assert np.array_equal(x, y)
 
 
-@pytest.mark.parametrize("arrivals", [PoissonArrivals(), LognormalArrivals()], ids=lambda a: a.kind)
+@pytest.mark.parametrize("arrivals", [PoissonArrivals(), LognormalArrivals(),
+                                      ModulatedArrivals(period_s=100.0, multipliers=[1.0, 0.3, 2.0])],
+                         ids=lambda a: a.kind)
 def test_longer_window_only_appends(arrivals) -> None:
     w = _workload([0.4, 2.5], arrivals=arrivals)
     short, long = generate_requests(w, 300.0, 5), generate_requests(w, 3000.0, 5)
@@ -431,6 +436,35 @@ def test_lognormal_arrivals_keep_mean_rate() -> None:
     assert abs(gaps.mean() - 0.5) < 0.03
     assert abs(np.log(gaps).std() - 1.0) < 0.03  # sigma = 1
     assert abs(np.log(gaps).mean() - (-math.log(2.0) - 0.5)) < 0.03  # mu = -ln(rate) - sigma^2 / 2
+
+
+def test_modulated_arrivals_follow_the_shared_profile() -> None:
+    """Every adapter's rate is rate x multipliers[j] in period j, the profile repeating past its end."""
+    spec = ModulatedArrivals(period_s=60.0, multipliers=[2.0, 0.0, 1.0])
+    rates = [1.5, 0.5, 3.0]
+    req = generate_requests(_workload(rates, arrivals=spec, lengths=LengthsSpec(kind="fixed")), 3600.0, seed=2)
+    period = (req.t_arr_s // 60.0).astype(int)
+    counts = np.bincount(period, minlength=60)
+    assert counts[1::3].sum() == 0  # multiplier 0: no arrival, in every repetition of the profile
+    total = sum(rates)
+    for phase, m in ((0, 2.0), (2, 1.0)):
+        expected = total * m * 60.0 * 20  # 20 periods of each phase in the hour
+        assert abs(counts[phase::3].sum() - expected) < 5 * math.sqrt(expected)
+    assert spec.mean_multiplier == 1.0
+    est = estimate_workload(_workload(rates, arrivals=spec), 3600.0)
+    assert est.requests == pytest.approx(total * 3600.0)  # x the profile's mean multiplier (1 here)
+    est2 = estimate_workload(_workload(rates, arrivals=ModulatedArrivals(multipliers=[3.0])), 3600.0)
+    assert est2.requests == pytest.approx(3 * total * 3600.0)
+
+
+@pytest.mark.parametrize("bad, match", [([], "at least 1"), ([1.0, -0.5], "multiplier 1 is -0.5"),
+                                        ([0.0, 0.0], "every multiplier is 0"), ([1.0, math.nan], "multiplier 1"),
+                                        ([True, 1.0], "not true/false")])
+def test_modulated_arrivals_validation(bad, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModulatedArrivals(multipliers=bad)
+    with pytest.raises(ValueError, match="period_s"):
+        ModulatedArrivals(period_s=0.0, multipliers=[1.0])
 
 
 def test_unpredictable_multipliers_within_clip() -> None:

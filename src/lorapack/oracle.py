@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -323,6 +323,7 @@ class TwinOracle(MemoryRuleOracle):
     seeds: tuple[int, ...] = (0,)
     duration_s: float = 3600.0
     early_stop: bool = True
+    arrivals: Any = None  # a spec.ArrivalsSpec of kind poisson / lognormal / modulated (None: Poisson)
     name: str = "twin"
     n_simulations: int = field(default=0, init=False)
     sim_wall_s: float = field(default=0.0, init=False)
@@ -333,6 +334,7 @@ class TwinOracle(MemoryRuleOracle):
         if not math.isfinite(self.duration_s) or self.duration_s <= 0:
             raise SpecError(f"duration {self.duration_s}: expected a positive number of seconds")
         self.seeds = tuple(int(s) for s in self.seeds)
+        check_candidate_arrivals(self.arrivals)
 
     def _predict_fitting(self, cands: Sequence[GpuCandidate], kv_tokens: Sequence[int]) -> list[Prediction]:
         return [self._one(c) for c in cands]
@@ -346,7 +348,7 @@ class TwinOracle(MemoryRuleOracle):
         from .workload import generate_requests
 
         t0 = time.perf_counter()
-        wl = candidate_workload(cand, self.duration_s)
+        wl = candidate_workload(cand, self.duration_s, self.arrivals)
         req = generate_requests(wl, self.duration_s, seed)
         flags = ServerFlags(max_loras=cand.max_loras, max_lora_rank=cand.slot_rank, max_cpu_loras=cand.cpu_loras,
                             max_num_batched_tokens=cand.max_num_batched_tokens, max_num_seqs=cand.max_num_seqs)
@@ -385,8 +387,22 @@ class TwinOracle(MemoryRuleOracle):
                    "ttft_penalised_s": mean([r.ttft_penalised_mean_ms for r in runs], 1e-3)})
 
 
-def candidate_workload(cand: GpuCandidate, duration_s: float):
-    """The ``Workload`` the twin simulates for ``cand``: Poisson arrivals, the profile's fitted length law."""
+CANDIDATE_ARRIVALS = ("poisson", "lognormal", "modulated")
+
+
+def check_candidate_arrivals(arrivals: Any) -> None:
+    """A candidate's adapters are given by their rates: only per-adapter processes driven by a rate apply."""
+    if arrivals is None:
+        return
+    kind = getattr(arrivals, "kind", None)
+    if kind not in CANDIDATE_ARRIVALS:
+        raise SpecError(f"arrivals of kind {kind!r} for the twin oracle: expected one of "
+                        f"{', '.join(CANDIDATE_ARRIVALS)} (a candidate GPU is given by its adapters' rates)")
+
+
+def candidate_workload(cand: GpuCandidate, duration_s: float, arrivals: Any = None):
+    """The ``Workload`` the twin simulates for ``cand``: ``arrivals`` (default Poisson) at the candidate's
+    rates, the profile's fitted length law."""
     from .spec import Adapter, LengthsSpec, PoissonArrivals, Workload
 
     law = cand.profile.runs_lengths
@@ -395,4 +411,5 @@ def candidate_workload(cand: GpuCandidate, duration_s: float):
                           mean_output_tokens=cand.output_tokens, **extra)
     adapters = [Adapter(adapter_id=f"a{i}", rank=int(r), rate_rps=float(q))
                 for i, (r, q) in enumerate(zip(cand.ranks, cand.rates_rps, strict=True))]
-    return Workload(adapters=adapters, lengths=lengths, arrivals=PoissonArrivals(), duration_s=duration_s)
+    return Workload(adapters=adapters, lengths=lengths, arrivals=arrivals if arrivals is not None else PoissonArrivals(),
+                    duration_s=duration_s)

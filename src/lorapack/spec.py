@@ -268,6 +268,44 @@ class UnpredictableArrivals(FrozenModel):
         return value
 
 
+class ModulatedArrivals(FrozenModel):
+    """Every adapter: a Poisson process whose rate follows one shared profile, ``rate_rps x multipliers[j]``
+    during period ``j`` (``period_s`` long; the profile repeats past its end).
+
+    The load swings of a real trace hit every adapter at once: e.g. the per-minute request counts of a trace
+    divided by their mean (``lorapack evaluate`` verifies plans against the estimation window's profile). The
+    mean rate is ``rate_rps x mean(multipliers)``; normalise the profile to mean 1 to keep ``rate_rps``.
+    """
+
+    kind: Literal["modulated"] = "modulated"
+    period_s: float = 60.0
+    multipliers: list[float] = Field(min_length=1, max_length=100_000)
+
+    _nb = field_validator("period_s", mode="before")(reject_bool)
+    _p = field_validator("period_s")(finite_positive)
+
+    @field_validator("multipliers", mode="before")
+    @classmethod
+    def _no_bools(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple) and any(isinstance(m, bool) for m in value):
+            raise ValueError("expected numbers, not true/false")
+        return value
+
+    @field_validator("multipliers")
+    @classmethod
+    def _multipliers(cls, value: list[float]) -> list[float]:
+        for j, m in enumerate(value):
+            if not math.isfinite(m) or m < 0:
+                raise ValueError(f"multiplier {j} is {m!r}; expected finite numbers >= 0")
+        if not sum(value) > 0:
+            raise ValueError("every multiplier is 0; expected at least one positive")
+        return value
+
+    @property
+    def mean_multiplier(self) -> float:
+        return sum(self.multipliers) / len(self.multipliers)
+
+
 class TraceArrivals(FrozenModel):
     """Replay a trace CSV ``arrived_at,num_prefill_tokens,num_decode_tokens`` (data/README.md §5).
 
@@ -311,7 +349,7 @@ class TraceArrivals(FrozenModel):
 
 
 ArrivalsSpec = Annotated[
-    PoissonArrivals | LognormalArrivals | UnpredictableArrivals | TraceArrivals,
+    PoissonArrivals | LognormalArrivals | UnpredictableArrivals | ModulatedArrivals | TraceArrivals,
     Field(discriminator="kind"),
 ]
 
@@ -420,5 +458,6 @@ class WorkloadFile(FrozenModel):
 # unknown field lists the fields of the model it was found in (``textfiles.validation_error``)
 FIELD_MODELS: dict[str, type[BaseModel]] = {
     "lengths": LengthsSpec, "adapter": Adapter, "group": AdapterGroup, "poisson": PoissonArrivals,
-    "lognormal": LognormalArrivals, "unpredictable": UnpredictableArrivals, "trace": TraceArrivals,
+    "lognormal": LognormalArrivals, "unpredictable": UnpredictableArrivals, "modulated": ModulatedArrivals,
+    "trace": TraceArrivals,
 }

@@ -67,6 +67,12 @@ def place(
                                      "failing GPUs (default on).")] = True,
     verify_seeds: Annotated[int, typer.Option("--verify-seeds", help="Seeds per GPU in verification (>= 1).")
                             ] = 3,
+    verify_arrivals: Annotated[str, typer.Option(
+        "--verify-arrivals", metavar="workload|poisson|TRACE.csv",
+        help="Arrivals the verification simulates at the planned rates: 'workload' (default) = the workload "
+             "file's law when it is lognormal or modulated, else Poisson; 'poisson'; or a trace CSV "
+             "(arrived_at,...): Poisson whose rate follows the trace's per-minute load, as its swings hit "
+             "every adapter at once.")] = "workload",
     split_hot: Annotated[bool, typer.Option(
         "--split-hot", help="Split adapters too hot for one GPU into weighted replicas on several GPUs.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of every simulation (plans are deterministic per seed).")] = 0,
@@ -108,17 +114,19 @@ def place(
         workers = check_workers(workers) or (os.cpu_count() or 1)
     prof = load_profile(model, gpu, profile)
     wl = load_workload(workload)
+    law = _verify_law(verify_arrivals, wl)
     inst = instance_from_workload(wl, headroom=headroom, mean_input_tokens=mean_input_tokens,
                                   mean_output_tokens=mean_output_tokens, where=str(workload))
 
     if json_out:
         plan = run_place(inst, prof, method, gpus=gpus, objective=obj, verify=verify, verify_seeds=verify_seeds,
-                         seed=seed, split_hot=split_hot, n_max=n_max, models_dir=models, workers=workers)
+                         seed=seed, split_hot=split_hot, n_max=n_max, models_dir=models, workers=workers,
+                         verify_arrivals=law)
     else:
         with err_console.status(f"placing {inst.n} adapters with {method}") as status:
             plan = run_place(inst, prof, method, gpus=gpus, objective=obj, verify=verify,
                              verify_seeds=verify_seeds, seed=seed, split_hot=split_hot, n_max=n_max,
-                             models_dir=models, workers=workers,
+                             models_dir=models, workers=workers, verify_arrivals=law,
                              progress=lambda msg: status.update(f"{method}: {msg}"))
     if plan.infeasible:
         raise LorapackError(plan.reason)
@@ -169,3 +177,22 @@ _LIMIT_TEXT = {"max_ttft_s": "mean TTFT <= {:g} s", "max_itl_ms": "mean ITL <= {
 def _objective_text(obj: dict) -> str:
     limits = [t.format(obj[k]) for k, t in _LIMIT_TEXT.items() if obj.get(k) is not None]
     return ", ".join(["not starved (>= 90 % of the offered tokens, every adapter served)", *limits])
+
+
+def _verify_law(choice: str, wl):
+    """``--verify-arrivals``: the arrival law the verifier simulates (None: Poisson)."""
+    from ..placement.api import VERIFY_OWN_LAWS
+    from ..spec import ModulatedArrivals
+    from ..workload import load_trace
+    from ..workload.derive import RATE_PROFILE_PERIOD_S, load_profile, trace_span_s
+
+    if choice == "poisson":
+        return None
+    if choice == "workload":
+        return wl.arrivals if wl.arrivals.kind in VERIFY_OWN_LAWS else None
+    path = Path(choice)
+    if not path.is_file():
+        raise LorapackError(f"--verify-arrivals {choice}: expected 'workload', 'poisson' or an existing trace CSV")
+    trace = load_trace(path)
+    prof = load_profile(trace.t_s, trace_span_s(trace), RATE_PROFILE_PERIOD_S)
+    return ModulatedArrivals(period_s=RATE_PROFILE_PERIOD_S, multipliers=[float(m) for m in prof])

@@ -99,7 +99,8 @@ def _place(placer: Placer, ctx: Context, sc: Scenario, method: str, gpus: int | 
     req = PlaceRequest(method=method, gpus=gpus, objective=sc.objective,
                        limits=_limits(sc), headroom=sc.headroom, verify=sc.verify, seed=sc.seed,
                        split_hot=sc.split_hot)
-    return placer.place(ctx.derived.workload(), ctx.profile, req)
+    # the verifier's arrivals follow the estimation window's load swings (scenario verify_arrivals)
+    return placer.place(ctx.derived.workload(rate_profile=sc.verify_arrivals == "estimation"), ctx.profile, req)
 
 
 def _limits(sc: Scenario) -> LatencyObjective | None:

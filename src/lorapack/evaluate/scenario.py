@@ -23,6 +23,9 @@ Every field marked *axis* takes one value or a list; the scenarios are the cross
     methods: [proposed, dlora]        # default: every placement method
     headroom: null                    # plan for rates × (1 + headroom) (null: the placement default)
     verify: true                      # twin verification and repair of the greedy methods (proposed*)
+    verify_arrivals: estimation       # estimation: the verifier's Poisson arrivals follow the estimation
+                                      # window's per-minute load profile (the trace's swings hit every
+                                      # adapter at once) | poisson: steady arrivals at the planned rates
     split_hot: false                  # split adapters too hot for one GPU into weighted replicas
     seed: 0                           # axis: workload derivation seed(s)
     replay_seed: 0                    # routing draws of split adapters
@@ -131,6 +134,7 @@ class ScenarioFile(FrozenModel):
     methods: list[str] | None = None
     headroom: float | None = None
     verify: bool = True
+    verify_arrivals: Literal["estimation", "poisson"] = "estimation"
     split_hot: bool = False
     seed: list[int] = Field(default_factory=lambda: [0], min_length=1)
     replay_seed: int = 0
@@ -281,6 +285,7 @@ class Scenario:
     seed: int
     replay_seed: int
     max_pack: bool
+    verify_arrivals: str = "estimation"
 
     @property
     def objective_label(self) -> str:
@@ -300,7 +305,7 @@ class Scenario:
             "ranks": list(self.ranks), "lengths": "trace" if self.trace_lengths else "profile",
             "windows": {"protocol": self.protocol, "split_s": self.split_s, "jitter_s": self.jitter_s},
             "fixed_pool": self.fixed_pool, "objective": self.objective_label, "headroom": self.headroom,
-            "verify": self.verify, "split_hot": self.split_hot, "seed": self.seed, "replay_seed": self.replay_seed,
+            "verify": self.verify, "verify_arrivals": self.verify_arrivals, "split_hot": self.split_hot, "seed": self.seed, "replay_seed": self.replay_seed,
         }
 
 
@@ -429,6 +434,7 @@ def load_scenarios(path: str | Path) -> list[Scenario]:
             split_s=spec.windows.split_s, jitter_s=spec.windows.jitter_s, fixed_pool=spec.fixed_pool,
             objective=obj_name, objective_limits=limits,
             methods=tuple(spec.methods) if spec.methods is not None else None, headroom=spec.headroom,
-            verify=spec.verify, split_hot=spec.split_hot, seed=seed, replay_seed=spec.replay_seed, max_pack=spec.max_pack))
+            verify=spec.verify, split_hot=spec.split_hot, seed=seed, replay_seed=spec.replay_seed,
+            max_pack=spec.max_pack, verify_arrivals=spec.verify_arrivals))
     assert all(p in PROTOCOLS for p in (s.protocol for s in out))
     return out

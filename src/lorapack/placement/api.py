@@ -14,11 +14,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..errors import SpecError
-from ..oracle import Oracle, Prediction, default_slot_rank
+from ..oracle import Oracle, Prediction, check_candidate_arrivals, default_slot_rank
 from ..profile import Profile
 from .baselines import (
     Assignment,
@@ -48,6 +49,7 @@ METHOD_ORACLE = {"proposed": "surrogate", "proposed-fast": "tree", "proposed-exa
 NMAX_METHODS = GREEDY_METHODS
 DEFAULT_VERIFY_SEEDS = 3
 VERIFY_DURATION_S = 3600.0
+VERIFY_OWN_LAWS = ("lognormal", "modulated")  # a workload's arrival law the verifier adopts by default
 # --split-hot: replicas carry at most this fraction of the capacity K(S) each (room to share a GPU)
 SPLIT_TARGET = 0.5
 MAX_SPLIT_ROUNDS = 6
@@ -73,6 +75,7 @@ class Context:
     oracle: Oracle | None = None  # overrides the method's own oracle
     search_oracle: Oracle | None = None  # validates G in the smallest-pool search, picks round-robin's A
     verify_oracle: Oracle | None = None
+    verify_arrivals: Any = None  # the arrival law the verifier simulates (None: Poisson)
     capacity: CapacityFn | None = None
     options: GreedyOptions = field(default_factory=GreedyOptions)
     progress: Progress | None = None
@@ -105,7 +108,7 @@ class Context:
             return self.verify_oracle
         return ParallelTwinOracle(seeds=tuple(self.seed + 1000 + i for i in range(seeds)),
                                   duration_s=VERIFY_DURATION_S, early_stop=False, workers=self.workers,
-                                  name="twin-verify")
+                                  arrivals=self.verify_arrivals, name="twin-verify")
 
     def cap(self, inst: Instance) -> CapacityFn:
         if self.capacity is None:
@@ -267,13 +270,17 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
           models_dir: Path | None = None, oracle: Oracle | None = None, search_oracle: Oracle | None = None,
           verify_oracle: Oracle | None = None, capacity: CapacityFn | None = None, validate_search: bool = True,
           workers: int | None = None, mean_input_tokens: float | None = None,
-          mean_output_tokens: float | None = None, progress: Progress | None = None) -> Plan:
+          mean_output_tokens: float | None = None, verify_arrivals: Any = None,
+          progress: Progress | None = None) -> Plan:
     """Place ``adapters`` (an ``Instance``, or a ``lorapack.spec.Workload``) with ``method``.
 
     ``gpus``: the pool (None = as many as needed: the greedy opens GPUs, pool methods run the smallest-pool
     search). ``objective``: default ``Objective()`` (mean TTFT <= 2 s, not starved). ``headroom``: rates are
     planned x (1 + headroom) (ignored for an ``Instance``, which carries its own). ``verify``: twin
-    verification (``verify_seeds`` seeds, full hour) and repair. ``oracle`` overrides the method's oracle,
+    verification (``verify_seeds`` seeds, full hour) and repair; the verifier simulates ``verify_arrivals`` (a
+    ``spec`` arrival law of kind poisson / lognormal / modulated; default: a ``Workload``'s own law when it is
+    lognormal or modulated, else Poisson) at the planned rates, while the searches and the method's own twin
+    stay Poisson (their early termination assumes steady arrivals). ``oracle`` overrides the method's oracle,
     ``search_oracle`` the twin used by the search / round-robin / repair probes, ``verify_oracle`` the
     verifier and ``capacity`` the bound's ``C(S)`` (toy oracles in tests). Deterministic for a given seed.
     """
@@ -285,14 +292,19 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
         raise SpecError(f"verify_seeds {verify_seeds}: expected a positive integer")
     if isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1:
         raise SpecError(f"n_max {n_max}: expected a positive integer")
+    if verify_arrivals is None and getattr(getattr(adapters, "arrivals", None), "kind", None) in VERIFY_OWN_LAWS:
+        verify_arrivals = adapters.arrivals
+    check_candidate_arrivals(verify_arrivals)
     inst = adapters if isinstance(adapters, Instance) else instance_from_workload(
         adapters, headroom=headroom, mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens)
     ctx = Context(profile=profile, objective=objective, seed=int(seed),
                   workers=default_workers() if workers is None else int(workers), models_dir=models_dir,
-                  oracle=oracle, search_oracle=search_oracle, verify_oracle=verify_oracle, capacity=capacity,
+                  oracle=oracle, search_oracle=search_oracle, verify_oracle=verify_oracle,
+                  verify_arrivals=verify_arrivals, capacity=capacity,
                   options=GreedyOptions(n_max=n_max), progress=progress)
     settings = {"objective": objective.to_dict(), "headroom": inst.headroom, "seed": int(seed), "pool": gpus,
                 "verify": verify, "verify_seeds": verify_seeds if verify else 0, "n_max": n_max,
+                "verify_arrivals": _law(verify_arrivals) if verify else None,
                 "split_hot": split_hot, "mean_input_tokens": inst.mean_input_tokens,
                 "mean_output_tokens": inst.mean_output_tokens,
                 "oracle": getattr(oracle, "name", None) or METHOD_ORACLE.get(method, "none")}
@@ -356,6 +368,17 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
     plan.verification = verification
     plan.diagnostics = diagnostics
     return plan
+
+
+def _law(arrivals: Any) -> dict:
+    """The verifier's arrival law as the plan records it (a long rate profile summarised)."""
+    if arrivals is None:
+        return {"kind": "poisson"}
+    d = arrivals.model_dump()
+    if arrivals.kind == "modulated":
+        m = d.pop("multipliers")
+        d.update(periods=len(m), mean_multiplier=float(np.mean(m)), max_multiplier=float(np.max(m)))
+    return d
 
 
 def _consolidate(inst: Instance, ctx: Context, fills: list[GpuFill], verdicts: list[Verdict], verifier: Oracle,

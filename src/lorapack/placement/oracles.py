@@ -142,7 +142,8 @@ class ParallelTwinOracle(TwinOracle):
             elif k not in todo:
                 todo[k] = c
         # workers get a plain TwinOracle (small to pickle: no cache)
-        plain = TwinOracle(seeds=self.seeds, duration_s=self.duration_s, early_stop=self.early_stop)
+        plain = TwinOracle(seeds=self.seeds, duration_s=self.duration_s, early_stop=self.early_stop,
+                           arrivals=self.arrivals)
         jobs = [(plain, c, s) for c in todo.values() for s in self.seeds]
         t0 = time.perf_counter()
         runs = _simulate_all(jobs, self.workers)

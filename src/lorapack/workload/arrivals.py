@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..spec import UnpredictableArrivals
+from ..spec import ModulatedArrivals, UnpredictableArrivals
 
 EMPTY_TIMES = np.empty(0, dtype=np.float64)
 
@@ -137,3 +137,25 @@ def unpredictable_times(rng: np.random.Generator, regime_rng: np.random.Generato
         count += len(t)
         parts.append(t + start)
     return np.concatenate(parts), mult
+
+
+def modulated_times(rng: np.random.Generator, rate_rps: float, window_s: float, spec: ModulatedArrivals,
+                    max_count: int | None = None) -> np.ndarray:
+    """Arrival times in ``[0, window_s)`` of a Poisson process at ``rate_rps x multipliers[j mod K]`` in period
+    ``j``: each period restarts the process at its start (exact for a memoryless law)."""
+    if rate_rps <= 0 or window_s <= 0:
+        return EMPTY_TIMES
+    mult = spec.multipliers
+    n_periods = max(1, math.ceil(window_s / spec.period_s))
+    parts: list[np.ndarray] = []
+    count = 0
+    for j in range(n_periods):  # one iteration per period, not per request
+        start = j * spec.period_s
+        span = min(spec.period_s, window_s - start)
+        left = None if max_count is None else max_count - count
+        t = poisson_times(rng, rate_rps * mult[j % len(mult)], span, sizing_window_s=spec.period_s,
+                          max_count=left)
+        count += len(t)
+        if len(t):
+            parts.append(t + start)
+    return np.concatenate(parts) if parts else EMPTY_TIMES

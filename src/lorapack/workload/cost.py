@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from ..guards import HARD_MAX_REQUESTS, Estimate, fmt_count, min_step_ms
-from ..spec import TraceArrivals, UnpredictableArrivals
+from ..spec import ModulatedArrivals, TraceArrivals, UnpredictableArrivals
 from .lengths import load_lengths_table
 from .trace import load_trace
 
@@ -54,6 +54,9 @@ def estimate_workload(workload, duration_s: float, step_coef=None) -> Estimate:
         rate = float(workload.rates_rps.sum())
         requests = rate * duration_s
         src = f"adapter rates summing to {rate:g} req/s over duration_s {duration_s:g} s"
+        if isinstance(arr, ModulatedArrivals):
+            requests *= arr.mean_multiplier
+            src += f" x the rate profile's mean multiplier {arr.mean_multiplier:.3g}"
         if isinstance(arr, UnpredictableArrivals):
             per = max(1, math.ceil(duration_s / arr.period_s))
             kw = {"periods": float(per) * n,

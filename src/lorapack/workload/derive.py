@@ -22,7 +22,10 @@ window, and the requests of the second window to replay through the twin:
     for the span (the planner's own assumption: its best case).
 
 * **rates**: ``λ_i`` = requests of adapter ``i`` in the estimation window / window length, floored at
-  ``1 / window`` (an adapter unseen in the window still exists and gets a nominal rate).
+  ``1 / window`` (an adapter unseen in the window still exists and gets a nominal rate);
+* **rate profile**: the estimation window's requests per ``RATE_PROFILE_PERIOD_S`` divided by their mean
+  (a partial last period by its length): the load swings every adapter sees at once, which a planner may
+  verify against (``rate_profile_arrivals``).
 
 ``span`` is the trace's last arrival rounded up to the next second (3,502 s → 3,503 s for the conversation
 trace); E2/E3 divide by it, not by 3,600, so their rates are unbiased. Every draw comes from its own stream
@@ -38,7 +41,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import SpecError
-from ..spec import DEFAULT_MEAN_INPUT_TOKENS, DEFAULT_MEAN_OUTPUT_TOKENS, Adapter, LengthsSpec, Workload
+from ..spec import (
+    DEFAULT_MEAN_INPUT_TOKENS,
+    DEFAULT_MEAN_OUTPUT_TOKENS,
+    Adapter,
+    LengthsSpec,
+    ModulatedArrivals,
+    Workload,
+)
 from ..twin.types import RequestArrays
 from .arrivals import poisson_times
 from .lengths import sample_lengths
@@ -47,6 +57,7 @@ from .trace import Trace, assign_adapters, assignment_weights, scaled_trace
 PROTOCOLS = ("E1", "E2", "E3")
 DEFAULT_SPLIT_S = 1800.0
 DEFAULT_JITTER_S = 5.0
+RATE_PROFILE_PERIOD_S = 60.0
 DERIVE_KEY = 0x646572697665  # "derive": keeps these streams apart from workload.generate's
 _S_SCALE, _S_WEIGHTS, _S_ASSIGN, _S_RANKS, _S_LENGTHS = 1, 2, 3, 4, 5
 _S_E2_JITTER, _S_E2_ASSIGN, _S_E2_LENGTHS, _S_E3_ARRIVALS, _S_E3_LENGTHS = 6, 7, 8, 9, 10
@@ -137,6 +148,11 @@ class DerivedWorkload:
     trace_requests: int  # requests of the scaled trace (both windows, E2: hour 1)
     trace_span_s: float
     lengths: LengthsSpec  # the length law of the requests (for twin runs of candidate GPUs)
+    rate_profile: np.ndarray = field(default_factory=lambda: np.ones(1))  # float64 [periods], mean 1
+
+    def rate_profile_arrivals(self) -> ModulatedArrivals:
+        """Poisson arrivals whose rate follows the estimation window's load profile (mean 1)."""
+        return ModulatedArrivals(period_s=RATE_PROFILE_PERIOD_S, multipliers=[float(m) for m in self.rate_profile])
 
     @property
     def n_adapters(self) -> int:
@@ -151,15 +167,17 @@ class DerivedWorkload:
     def replay_rate_rps(self) -> float:
         return len(self.replay) / self.replay_window_s
 
-    def workload(self) -> Workload:
-        """The workload spec a planner gets: the adapters with their estimated rates and the mean lengths."""
+    def workload(self, rate_profile: bool = False) -> Workload:
+        """The workload spec a planner gets: the adapters with their estimated rates and the mean lengths, and
+        (``rate_profile``) arrivals that follow the estimation window's load profile (else Poisson)."""
         base = self.lengths.model_dump()
         base.update(mean_input_tokens=max(1.0, self.mean_input_tokens),
                     mean_output_tokens=max(1.0, self.mean_output_tokens))
         return Workload(
             adapters=[Adapter(adapter_id=a, rank=int(r), rate_rps=float(q))
                       for a, r, q in zip(self.adapter_ids, self.ranks, self.rates_rps, strict=True)],
-            lengths=LengthsSpec.model_validate(base), duration_s=self.replay_window_s)
+            lengths=LengthsSpec.model_validate(base), duration_s=self.replay_window_s,
+            **({"arrivals": self.rate_profile_arrivals()} if rate_profile else {}))
 
 
 def _rng(seed: int, stream: int) -> np.random.Generator:
@@ -265,4 +283,15 @@ def derive_workload(trace: Trace, opts: DeriveOptions, seed: int) -> DerivedWork
         rates_rps=rates, estimation_counts=counts, estimation_window_s=float(est_window),
         mean_input_tokens=mean_in, mean_output_tokens=mean_out, replay=replay,
         replay_window_s=float(replay_window), protocol=opts.protocol, trace_requests=len(t),
-        trace_span_s=span, lengths=lengths)
+        trace_span_s=span, lengths=lengths, rate_profile=load_profile(t[est], float(est_window)))
+
+
+def load_profile(t_s: np.ndarray, window_s: float, period_s: float = RATE_PROFILE_PERIOD_S) -> np.ndarray:
+    """Arrivals per period of ``[0, window_s)`` as rates relative to the window's mean rate (float64, mean 1
+    weighted by period length; a partial last period counts by its length). No arrival: ``[1.0]``."""
+    if len(t_s) == 0 or not window_s > 0:
+        return np.ones(1)
+    n = max(1, math.ceil(window_s / period_s))
+    counts = np.bincount(np.minimum((np.asarray(t_s) // period_s).astype(np.int64), n - 1), minlength=n)
+    lengths = np.minimum(period_s, window_s - period_s * np.arange(n))
+    return (counts / lengths) / (len(t_s) / window_s)

@@ -18,6 +18,7 @@ from ..errors import ResourceLimitError, SpecError
 from ..guards import DEFAULT_LIMITS, FORCE_HINT, HARD_MAX_REQUESTS, Limits
 from ..spec import (
     LognormalArrivals,
+    ModulatedArrivals,
     PoissonArrivals,
     TraceArrivals,
     UnpredictableArrivals,
@@ -27,6 +28,7 @@ from ..twin.types import RequestArrays
 from .arrivals import (
     TooManyArrivals,
     lognormal_times,
+    modulated_times,
     poisson_times,
     unpredictable_multipliers,
     unpredictable_times,
@@ -81,6 +83,8 @@ def adapter_arrival_times(workload: Workload, index: int, duration_s: float, see
         return poisson_times(rng, rate_rps, duration_s, max_count=max_count)
     if isinstance(spec, LognormalArrivals):
         return lognormal_times(rng, rate_rps, duration_s, spec.sigma, max_count=max_count)
+    if isinstance(spec, ModulatedArrivals):
+        return modulated_times(rng, rate_rps, duration_s, spec, max_count)
     if isinstance(spec, UnpredictableArrivals):
         times, _ = unpredictable_times(rng, stream_rng(seed, index, STREAM_REGIME), rate_rps, duration_s, spec,
                                        max_count)
