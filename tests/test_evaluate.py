@@ -217,6 +217,22 @@ def test_replay_flags_oom_and_missing_adapters(trace, profile):
         r.replay(_plan(d, profile, [ids[:3]]))
 
 
+def test_a_starved_adapter_makes_a_replay_unclean():
+    from lorapack.evaluate.replay import FleetReplay, GpuReplay
+
+    def gpu(starved_adapters):
+        return GpuReplay(n_adapters=4, max_loras=2, max_lora_rank=16, n_requests=100, oom=False, error_type=None,
+                         starved=False, throughput_tok_s=1e3, incoming_tok_s=1e3, itl_mean_ms=20.0, itl_p99_ms=40.0,
+                         ttft_mean_s=0.1, ttft_p99_s=0.5, ttft_penalised_s=0.1, n_completed=100,
+                         starved_adapters=starved_adapters, decode_gaps=1000, decode_span_s=20.0,
+                         ttft_samples_s=np.full(100, 0.1, dtype=np.float32))
+
+    assert FleetReplay([gpu([]), gpu([])], 600.0, LatencyObjective()).clean
+    # the GPU keeps up overall (not starved) while one of its adapters waits: no request may starve
+    rep = FleetReplay([gpu([]), gpu(["a3"])], 600.0, LatencyObjective())
+    assert rep.starved_gpus == 0 and rep.starved_adapters == 1 and not rep.clean
+
+
 def test_latency_objective_and_fleet_metrics(trace, profile):
     d = _derive(trace, n_adapters=8, load_scale=3.0)
     plan = _plan(d, profile, [d.adapter_ids[:4], d.adapter_ids[4:]])

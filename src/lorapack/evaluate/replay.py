@@ -10,7 +10,10 @@ so the warm start is the one vLLM would have) for the whole replay window. A GPU
 Fleet metrics: throughput and incoming tokens summed over GPUs; ITL token-weighted over every completed
 request of the fleet (Σ decode spans / Σ gaps); TTFT mean and p99 over the completed requests of the fleet;
 penalised TTFT counts every unfinished request as the whole window. A GPU is *starved* when its throughput
-is below 0.9 × its incoming tokens (the paper's label); adapters are starved as the twin defines it.
+is below 0.9 × its incoming tokens (the paper's label); adapters are starved as the twin defines it. A
+replay is *clean* when every GPU starts, no GPU and no adapter starves (the user's "no request starves":
+a GPU that keeps up overall while one of its adapters waits is not clean) and every GPU meets the latency
+objective.
 
 A GPU's replay depends only on its adapters, their share intervals and its flags, so results are cached
 by that key: searches over the pool size and plans that share GPUs replay each distinct GPU once.
@@ -118,8 +121,9 @@ class FleetReplay:
 
     @property
     def clean(self) -> bool:
-        """Replay-clean: every GPU starts, none starves, every GPU meets the latency objective."""
-        return self.oom_gpus == 0 and self.starved_gpus == 0 and self.latency_violation_gpus == 0
+        """Replay-clean: every GPU starts, no GPU and no adapter starves, every GPU meets the latency objective."""
+        return (self.oom_gpus == 0 and self.starved_gpus == 0 and self.starved_adapters == 0
+                and self.latency_violation_gpus == 0)
 
     @property
     def throughput_tok_s(self) -> float:
