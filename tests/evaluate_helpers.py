@@ -57,7 +57,7 @@ class ToyPlacer:
     def _bound(self, workload) -> int:
         return max(1, math.ceil(workload.rates_rps.sum() * self._tau(workload) / self.capacity))
 
-    def lower_bound(self, workload, profile, headroom) -> Bounds:
+    def lower_bound(self, workload, profile, req) -> Bounds:
         return Bounds(gpus=self._bound(workload), gpus_no_nmax=self._bound(workload))
 
     def method_bound(self, method: str, bounds: Bounds) -> int:

@@ -225,6 +225,37 @@ def test_lower_bound_reports_hot_adapters() -> None:
     assert len(routes["a000"]) >= 3 and sum(w for _, w in routes["a000"]) == pytest.approx(1.0)
 
 
+def test_the_latency_row_caps_each_gpus_capacity() -> None:
+    inst = instance([2.0] * 10)  # 20 req/s
+    free = lower_bound(inst, capacity=toy_capacity(12.0))
+    tight = lower_bound(inst, capacity=toy_capacity(12.0), latency_capacity=lambda s: 5.0 * TAU)
+    assert free.gpus == 2 and not free.latency_capacity_tok_s
+    assert tight.gpus == 4 and tight.capacity_tok_s[8] == pytest.approx(5.0 * TAU)  # K = min(C / 0.9, L)
+    loose = lower_bound(inst, capacity=toy_capacity(12.0), latency_capacity=lambda s: 1e9)
+    assert loose.gpus == free.gpus and loose.capacity_tok_s == free.capacity_tok_s
+    # place() uses a given latency row; with a toy capacity and none given it has none (no twin runs)
+    plan = place(inst, LLAMA, "proposed-exact", latency_capacity=lambda s: 5.0 * TAU, **toy_kwargs(12.0))
+    assert plan.lower_bound_gpus == 4 and plan.lower_bound["latency_capacity_tok_s"] == {"8": round(5.0 * TAU, 1)}
+    assert place(inst, LLAMA, "proposed-exact", **toy_kwargs(12.0)).lower_bound["latency_capacity_tok_s"] == {}
+
+
+def test_the_latency_capacity_is_where_one_adapter_stops_meeting_the_objective() -> None:
+    from lorapack.oracle import GpuCandidate, TwinOracle
+    from lorapack.placement.bound import simulate_latency_capacity_tok_s, twin_capacity
+
+    obj = Objective(max_ttft_s=1.0)
+    top = twin_capacity(LLAMA, 223, 197)(8) / 0.9
+    lat = simulate_latency_capacity_tok_s(LLAMA, 8, 223, 197, obj, top, None, (5,), 900.0)
+    assert 0.5 * top < lat < top  # a 1 s mean TTFT binds before saturation
+
+    def check(tok_s: float) -> str | None:
+        c = GpuCandidate(profile=LLAMA, ranks=np.array([8]), rates_rps=np.array([tok_s / 420]), max_loras=1,
+                         max_lora_rank=8, mean_input_tokens=223, mean_output_tokens=197)
+        return obj.check(TwinOracle(seeds=(5,), duration_s=900.0, early_stop=False).predict([c])[0])
+
+    assert check(0.9 * lat) is None and check(lat) is not None  # L is the smallest load seen failing
+
+
 # ---------------------------------------------------------------------------------------------------------
 # invariants of every method on random instances
 

@@ -68,7 +68,7 @@ def place(
     verify_seeds: Annotated[int, typer.Option("--verify-seeds", help="Seeds per GPU in verification (>= 1).")
                             ] = 3,
     verify_arrivals: Annotated[str, typer.Option(
-        "--verify-arrivals", metavar="workload|poisson|TRACE.csv",
+        "--verify-arrivals", metavar="LAW",
         help="Arrivals the verification simulates at the planned rates: 'workload' (default) = the workload "
              "file's law when it is lognormal or modulated, else Poisson; 'poisson'; or a trace CSV "
              "(arrived_at,...): Poisson whose rate follows the trace's per-minute load, as its swings hit "

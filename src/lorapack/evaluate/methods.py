@@ -53,7 +53,8 @@ class Placer(Protocol):
         """The per-GPU latency limits a replayed GPU must meet under this objective."""
         ...
 
-    def lower_bound(self, workload: Workload, profile: Profile, headroom: float | None) -> Bounds:
+    def lower_bound(self, workload: Workload, profile: Profile, req: PlaceRequest) -> Bounds:
+        """The bound for the scenario's objective, headroom and seed (``req``; its method and pool unused)."""
         ...
 
     def method_bound(self, method: str, bounds: Bounds) -> int:

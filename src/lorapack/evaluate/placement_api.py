@@ -8,7 +8,8 @@
   run on G GPUs (the fixed-pool protocol).
 * The lower bound is ``placement.lower_bound`` on the instance the methods get (headroom applied): with the
   ``N_max`` row for the greedy methods (which keep at most N_max adapters per GPU), without it for the others
-  (placement's own convention).
+  (placement's own convention); under a latency objective with its latency row, simulated as the greedy
+  methods' verification (the scenario's verification arrivals and seeds) -- the bound ``place`` reports.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from ..placement import (
     lower_bound,
     place,
 )
-from ..placement.api import NMAX_METHODS
+from ..placement.api import DEFAULT_VERIFY_SEEDS, NMAX_METHODS, VERIFY_DURATION_S, VERIFY_OWN_LAWS
+from ..placement.bound import latency_capacity, twin_capacity
 from ..placement.plan import Plan
 from ..profile import Profile
 from ..spec import Workload
@@ -56,9 +58,17 @@ class PlacementPlacer:
         return LatencyObjective(max_ttft_s=o.max_ttft_s, max_ttft_p99_s=o.max_ttft_p99_s, max_itl_ms=o.max_itl_ms,
                                 max_itl_p99_ms=o.max_itl_p99_ms)
 
-    def lower_bound(self, workload: Workload, profile: Profile, headroom: float | None) -> Bounds:
-        inst = instance_from_workload(workload, headroom=DEFAULT_HEADROOM if headroom is None else headroom)
-        b = lower_bound(inst, profile)
+    def lower_bound(self, workload: Workload, profile: Profile, req: PlaceRequest) -> Bounds:
+        inst = instance_from_workload(workload, headroom=DEFAULT_HEADROOM if req.headroom is None else req.headroom)
+        objective = placement_objective(req.objective, req.limits)
+        lat = None
+        if objective.limits():  # the latency row, simulated as placement's verification (its law and seeds)
+            law = workload.arrivals if workload.arrivals.kind in VERIFY_OWN_LAWS else None
+            lat = latency_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens, objective,
+                                   twin_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens),
+                                   arrivals=law, seeds=[req.seed + 1000 + i for i in range(DEFAULT_VERIFY_SEEDS)],
+                                   duration_s=VERIFY_DURATION_S)
+        b = lower_bound(inst, profile, latency_capacity=lat)
         return Bounds(gpus=int(b.gpus), gpus_no_nmax=int(b.gpus_no_nmax))
 
     def method_bound(self, method: str, bounds: Bounds) -> int:

@@ -27,6 +27,7 @@ from ..errors import LorapackError
 from ..placement.plan import Plan
 from ..placement.search import bisect_smallest, first_true
 from ..profile import Profile
+from ..spec import Workload
 from ..workload.derive import DerivedWorkload, DeriveOptions, derive_workload, profile_lengths
 from .methods import Bounds, Placer, PlaceRequest
 from .replay import FleetReplay, LatencyObjective, Mapper, Replayer
@@ -91,16 +92,23 @@ class Context:
     profile: Profile
     derived: DerivedWorkload
     replayer: Replayer
-    bounds: Bounds
+    bounds: Bounds = Bounds(gpus=1, gpus_no_nmax=1)  # the current scenario's (from bound_cache)
+    bound_cache: dict[tuple, Bounds] = field(default_factory=dict)
     plans: dict[str, Plan] = field(default_factory=dict)  # kept for --out (key: scenario/method/protocol)
 
 
-def _place(placer: Placer, ctx: Context, sc: Scenario, method: str, gpus: int | None) -> Plan:
-    req = PlaceRequest(method=method, gpus=gpus, objective=sc.objective,
-                       limits=_limits(sc), headroom=sc.headroom, verify=sc.verify, seed=sc.seed,
-                       split_hot=sc.split_hot)
+def _request(sc: Scenario, method: str, gpus: int | None) -> PlaceRequest:
+    return PlaceRequest(method=method, gpus=gpus, objective=sc.objective, limits=_limits(sc), headroom=sc.headroom,
+                        verify=sc.verify, seed=sc.seed, split_hot=sc.split_hot)
+
+
+def _workload(ctx: Context, sc: Scenario) -> Workload:
     # the verifier's arrivals follow the estimation window's load swings (scenario verify_arrivals)
-    return placer.place(ctx.derived.workload(rate_profile=sc.verify_arrivals == "estimation"), ctx.profile, req)
+    return ctx.derived.workload(rate_profile=sc.verify_arrivals == "estimation")
+
+
+def _place(placer: Placer, ctx: Context, sc: Scenario, method: str, gpus: int | None) -> Plan:
+    return placer.place(_workload(ctx, sc), ctx.profile, _request(sc, method, gpus))
 
 
 def _limits(sc: Scenario) -> LatencyObjective | None:
@@ -244,10 +252,14 @@ def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple
             profile = load_scenario_profile(sc)
             derived = derive_for(sc, profile)
             ctx = Context(profile=profile, derived=derived,
-                          replayer=Replayer(profile, derived, sc.replay_seed, mapper),
-                          bounds=placer.lower_bound(derived.workload(), profile, sc.headroom))
+                          replayer=Replayer(profile, derived, sc.replay_seed, mapper))
             contexts = {key: ctx}  # one workload's cache at a time: scenarios of a workload are adjacent
         ctx.plans = {}
+        # the bound depends on the objective (latency row) and the verification arrivals, not on the method
+        bkey = (sc.objective_label, sc.headroom, sc.verify_arrivals, sc.seed)
+        if bkey not in ctx.bound_cache:
+            ctx.bound_cache[bkey] = placer.lower_bound(_workload(ctx, sc), ctx.profile, _request(sc, "", None))
+        ctx.bounds = ctx.bound_cache[bkey]
         objective = placer.objective(sc.objective, _limits(sc))
         d = ctx.derived
         entry: dict[str, Any] = {

@@ -31,7 +31,7 @@ from .baselines import (
     round_robin,
     shares_of,
 )
-from .bound import CapacityFn, LowerBound, lower_bound, twin_capacity
+from .bound import CapacityFn, LowerBound, latency_capacity, lower_bound, twin_capacity
 from .greedy import N_MAX, GpuFill, GreedyOptions, Infeasible, balanced_plan, greedy_fill, rebalance
 from .oracles import ParallelTwinOracle, default_workers, exact_oracle, learned_oracle
 from .plan import GpuMetrics, GpuPlan, Plan
@@ -114,6 +114,17 @@ class Context:
         if self.capacity is None:
             self.capacity = twin_capacity(self.profile, inst.mean_input_tokens, inst.mean_output_tokens)
         return self.capacity
+
+    def lat_cap(self, inst: Instance, seeds: int) -> CapacityFn:
+        """The bound's latency row ``L(S)``, simulated as the verifier would (its seeds, hour and arrivals)."""
+        def say_and_compute(s: int) -> float:
+            self.say(f"lower bound: the latency capacity of one GPU at --max-lora-rank {s}")
+            return inner(s)
+
+        inner = latency_capacity(self.profile, inst.mean_input_tokens, inst.mean_output_tokens, self.objective,
+                                 self.cap(inst), arrivals=self.verify_arrivals,
+                                 seeds=[self.seed + 1000 + i for i in range(seeds)], duration_s=VERIFY_DURATION_S)
+        return say_and_compute
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -271,6 +282,7 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
           verify_oracle: Oracle | None = None, capacity: CapacityFn | None = None, validate_search: bool = True,
           workers: int | None = None, mean_input_tokens: float | None = None,
           mean_output_tokens: float | None = None, verify_arrivals: Any = None,
+          latency_capacity: CapacityFn | None = None, latency_bound: bool = True,
           progress: Progress | None = None) -> Plan:
     """Place ``adapters`` (an ``Instance``, or a ``lorapack.spec.Workload``) with ``method``.
 
@@ -282,7 +294,9 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
     lognormal or modulated, else Poisson) at the planned rates, while the searches and the method's own twin
     stay Poisson (their early termination assumes steady arrivals). ``oracle`` overrides the method's oracle,
     ``search_oracle`` the twin used by the search / round-robin / repair probes, ``verify_oracle`` the
-    verifier and ``capacity`` the bound's ``C(S)`` (toy oracles in tests). Deterministic for a given seed.
+    verifier and ``capacity`` the bound's ``C(S)`` (toy oracles in tests). Under an objective with latency limits
+    the bound has a latency row ``L(S)`` (``bound`` module; ``latency_capacity`` replaces it, ``latency_bound=False``
+    drops it). Deterministic for a given seed.
     """
     check_method(method)
     objective = objective if objective is not None else Objective()
@@ -310,7 +324,10 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
                 "oracle": getattr(oracle, "name", None) or METHOD_ORACLE.get(method, "none")}
 
     ctx.say("lower bound")
-    bound = lower_bound(inst, profile, n_max=n_max, capacity=ctx.cap(inst))
+    # the latency row needs the twin: skipped with a toy capacity unless a toy latency capacity comes with it
+    lat_cap = latency_capacity if latency_capacity is not None or capacity is not None or not latency_bound \
+        or not objective.limits() else ctx.lat_cap(inst, verify_seeds)
+    bound = lower_bound(inst, profile, n_max=n_max, capacity=ctx.cap(inst), latency_capacity=lat_cap)
     diagnostics: dict = {}
     if bound.hot_adapters and not split_hot:
         return _infeasible(method, profile, settings, bound, diagnostics,
@@ -320,7 +337,7 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
         if reps:
             diagnostics["split"] = {inst.adapter_ids[i]: k for i, k in reps.items()}
             inst = split_entries(inst, reps)
-            bound = lower_bound(inst, profile, n_max=n_max, capacity=ctx.cap(inst))
+            bound = lower_bound(inst, profile, n_max=n_max, capacity=ctx.cap(inst), latency_capacity=lat_cap)
 
     t0 = time.perf_counter()
     try:

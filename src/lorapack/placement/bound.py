@@ -7,7 +7,16 @@ tokens of requests completed in [300 s, 1,800 s] per second. More adapters only 
 and take KV memory, so no GPU whose largest rank is ``S`` completes more; a GPU that is not starved has offered
 load <= throughput / 0.9, hence ``K(S) = C(S) / 0.9``.
 
-``C(S)`` is computed lazily and cached on disk, one JSON file in the user cache directory
+**Latency row** (objectives with latency limits): ``K(S) = min(C(S) / 0.9, L(S))`` where ``L(S)`` is the largest
+offered load (tokens/s) at which that best-case GPU -- one adapter of rank ``S``, ``--max-loras 1`` -- still
+meets every latency limit in at least one of the verification's seeds, simulated as verification does (the
+full hour, the verifier's arrival law: Poisson or a load profile). A GPU with more adapters pays LoRA and
+scheduler costs on top, so no GPU that passes verification carries more (up to simulation noise, which the
+"one seed of three" rule and the bracket's upper end absorb). Bisection: the bracket ``(0, K(S)]`` halved
+``LATENCY_BISECTION_STEPS`` times, ``L(S)`` = its upper end (the smallest load seen failing); about ten hour-long
+runs per rank class, cached.
+
+``C(S)`` and ``L(S)`` are computed lazily and cached on disk, one JSON file in the user cache directory
 (``$LORAPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/lorapack``, else ``~/.cache/lorapack``), keyed by profile
 hash, twin source hash, ``S`` and the rounded mean lengths: the first bound for a profile and lengths costs
 about a second per rank class, later ones nothing.
@@ -25,9 +34,10 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +45,7 @@ from ..errors import LorapackError
 from ..oracle import default_slot_rank
 from ..profile import Profile
 from .greedy import N_MAX
-from .problem import STARVATION_RATIO, Instance
+from .problem import STARVATION_RATIO, Instance, Objective
 
 CAPACITY_FORMAT = 1
 CAPACITY_DURATION_S = 1800.0
@@ -44,6 +54,7 @@ CAPACITY_CLIENT_CAP = 4096
 
 # capacity function: (slot rank S) -> C(S), completed tokens/s at saturation
 CapacityFn = Callable[[int], float]
+LATENCY_BISECTION_STEPS = 6  # bracket / 64: < 2 % of K(S)
 
 
 def cache_dir() -> Path:
@@ -110,18 +121,26 @@ def _read_cache(path: Path) -> dict:
 def twin_capacity(profile: Profile, mean_input_tokens: float, mean_output_tokens: float,
                   use_cache: bool = True) -> CapacityFn:
     """``S -> C(S)`` from the twin, cached on disk (see the module docstring)."""
-    path = cache_dir() / "capacity.json"
+    return _disk_cached("capacity.json", lambda s: _capacity_key(profile, s, mean_input_tokens, mean_output_tokens),
+                        lambda s: simulate_capacity_tok_s(profile, s, round(mean_input_tokens),
+                                                          round(mean_output_tokens)), use_cache)
+
+
+def _disk_cached(file: str, key_of: Callable[[int], str], compute: Callable[[int], float],
+                 use_cache: bool) -> CapacityFn:
+    """``S -> compute(S)``, memoised and cached in ``cache_dir() / file`` under ``key_of(S)``."""
+    path = cache_dir() / file
     memo: dict[int, float] = {}
 
     def cap(slot_rank: int) -> float:
         if slot_rank in memo:
             return memo[slot_rank]
-        key = _capacity_key(profile, slot_rank, mean_input_tokens, mean_output_tokens)
+        key = key_of(slot_rank)
         data = _read_cache(path) if use_cache else {}
         if key in data:
             memo[slot_rank] = float(data[key])
             return memo[slot_rank]
-        c = simulate_capacity_tok_s(profile, slot_rank, round(mean_input_tokens), round(mean_output_tokens))
+        c = compute(slot_rank)
         memo[slot_rank] = c
         if use_cache:
             try:
@@ -138,6 +157,58 @@ def twin_capacity(profile: Profile, mean_input_tokens: float, mean_output_tokens
     return cap
 
 
+def latency_capacity(profile: Profile, mean_input_tokens: float, mean_output_tokens: float, objective: Objective,
+                     throughput_capacity: CapacityFn, arrivals: Any = None, seeds: Sequence[int] = (1000, 1001, 1002),
+                     duration_s: float = 3600.0, use_cache: bool = True) -> CapacityFn:
+    """``S -> L(S)``, the latency row of the bound (module docstring), cached on disk. ``throughput_capacity``
+    gives ``C(S)`` (the bracket's top); ``arrivals``, ``seeds`` and ``duration_s`` are the verifier's."""
+    law = "poisson" if arrivals is None else hashlib.sha256(arrivals.model_dump_json().encode()).hexdigest()[:16]
+    limits = json.dumps(objective.limits(), sort_keys=True)
+    seeds = tuple(int(s) for s in seeds)
+
+    def key_of(s: int) -> str:
+        return (f"{_capacity_key(profile, s, mean_input_tokens, mean_output_tokens)}|lat{limits}|law-{law}|"
+                f"seeds{','.join(map(str, seeds))}|{duration_s:g}s")
+
+    def compute(s: int) -> float:
+        return simulate_latency_capacity_tok_s(profile, s, mean_input_tokens, mean_output_tokens, objective,
+                                               float(throughput_capacity(s)) / STARVATION_RATIO, arrivals, seeds,
+                                               duration_s)
+
+    return _disk_cached("latency_capacity.json", key_of, compute, use_cache)
+
+
+def simulate_latency_capacity_tok_s(profile: Profile, slot_rank: int, mean_input_tokens: float,
+                                    mean_output_tokens: float, objective: Objective, top_tok_s: float,
+                                    arrivals: Any, seeds: Sequence[int], duration_s: float) -> float:
+    """``L(S)`` by bisection on one adapter's rate (module docstring); ``top_tok_s`` if the top of the bracket
+    already passes (no latency limit binds before starvation)."""
+    from ..oracle import GpuCandidate, TwinOracle
+    from .oracles import _simulate_all
+
+    tau = mean_input_tokens + mean_output_tokens
+    plain = TwinOracle(seeds=tuple(seeds), duration_s=duration_s, early_stop=False, arrivals=arrivals)
+
+    def passes(rate_rps: float) -> bool:  # in at least one seed: the first passing seed ends it
+        cand = GpuCandidate(profile=profile, ranks=np.array([slot_rank]), rates_rps=np.array([rate_rps]),
+                            max_loras=1, max_lora_rank=slot_rank, mean_input_tokens=mean_input_tokens,
+                            mean_output_tokens=mean_output_tokens)
+        return any(objective.check(TwinOracle.aggregate(cand, _simulate_all([(plain, cand, s)], 1))) is None
+                   for s in seeds)
+
+    top = top_tok_s / tau
+    lo, hi = 0.0, top  # the top (11 % above saturation) is tested only if every lower load passes
+    for _ in range(LATENCY_BISECTION_STEPS):
+        mid = 0.5 * (lo + hi)
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid
+    if hi == top and passes(top):
+        return top_tok_s
+    return hi * tau
+
+
 @dataclass
 class LowerBound:
     """The bound and its parts. ``gpus`` counts the N_max row; compare methods that may exceed N_max per GPU
@@ -147,15 +218,17 @@ class LowerBound:
     gpus_no_nmax: int
     throughput_bound: int  # ceil(τ Σλ / max_S K(S))
     count_bound: int  # ceil(M / N_max)
-    capacity_tok_s: dict[int, float]  # K(S) = C(S) / 0.9 per slot rank class
+    capacity_tok_s: dict[int, float]  # K(S) = min(C(S) / 0.9, L(S)) per slot rank class
     hot_adapters: list[str] = field(default_factory=list)  # τλ_i > max_{S >= r_i} K(S)
     solve_ms: float = 0.0
     n_max: int = N_MAX
+    latency_capacity_tok_s: dict[int, float] = field(default_factory=dict)  # L(S); empty: no latency row
 
     def to_dict(self) -> dict:
         return {"gpus": self.gpus, "gpus_no_nmax": self.gpus_no_nmax, "throughput_bound": self.throughput_bound,
                 "count_bound": self.count_bound, "n_max": self.n_max,
                 "capacity_tok_s": {str(k): round(v, 1) for k, v in self.capacity_tok_s.items()},
+                "latency_capacity_tok_s": {str(k): round(v, 1) for k, v in self.latency_capacity_tok_s.items()},
                 "hot_adapters": list(self.hot_adapters), "solve_ms": round(self.solve_ms, 3)}
 
 
@@ -199,11 +272,12 @@ def _milp(classes: list[int], demand: dict[int, float], count: dict[int, int], k
 
 
 def lower_bound(inst: Instance, profile: Profile | None = None, *, n_max: int = N_MAX,
-                capacity: CapacityFn | None = None) -> LowerBound:
+                capacity: CapacityFn | None = None, latency_capacity: CapacityFn | None = None) -> LowerBound:
     """The aggregated-MILP lower bound of placement.md §5 for ``inst`` (rates incl. headroom).
 
     ``capacity`` maps a slot rank ``S`` to ``C(S)`` (completed tokens/s at saturation); default the twin's
-    (``twin_capacity``, needs ``profile``). Toy capacities are for tests."""
+    (``twin_capacity``, needs ``profile``). ``latency_capacity`` maps ``S`` to ``L(S)`` (the latency row, module
+    docstring; None: no latency limit). Toy capacities are for tests."""
     t0 = time.perf_counter()
     if capacity is None:
         if profile is None:
@@ -211,7 +285,9 @@ def lower_bound(inst: Instance, profile: Profile | None = None, *, n_max: int = 
         capacity = twin_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens)
     slot = np.array([default_slot_rank(int(r)) for r in inst.ranks])
     classes = sorted(set(slot.tolist()))
-    k = {s: float(capacity(s)) / STARVATION_RATIO for s in classes}
+    k_thr = {s: float(capacity(s)) / STARVATION_RATIO for s in classes}
+    k_lat = {s: float(latency_capacity(s)) for s in classes} if latency_capacity is not None else {}
+    k = {s: min(k_thr[s], k_lat.get(s, math.inf)) for s in classes}
     d_tok = inst.demand_tok_s
     demand = {s: float(d_tok[slot == s].sum()) for s in classes}
     # adapters, not entries: the replicas of a split adapter may share a GPU
@@ -230,4 +306,4 @@ def lower_bound(inst: Instance, profile: Profile | None = None, *, n_max: int = 
         gpus=max(g, 1), gpus_no_nmax=max(g_free, 1),
         throughput_bound=max(1, math.ceil(float(d_tok.sum()) / max(k.values()) - 1e-9)),
         count_bound=max(1, math.ceil(len(set(inst.adapter_ids)) / n_max)), capacity_tok_s=k, hot_adapters=hot,
-        solve_ms=(time.perf_counter() - t0) * 1e3, n_max=n_max)
+        solve_ms=(time.perf_counter() - t0) * 1e3, n_max=n_max, latency_capacity_tok_s=k_lat)
