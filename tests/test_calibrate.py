@@ -279,3 +279,65 @@ def test_missing_profiling_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     code, _, stderr = run_main(monkeypatch, capsys, "calibrate", "--profiling", tmp_path / "nowhere",
                                "--model", LLAMA, "--out", out)
     assert code == 2 and "profiling directory not found" in stderr and not out.exists()
+
+
+# ---- residual weights of the refinement (no data needed) -------------------------------------------------
+
+
+def _weight_rows() -> tuple[list[dict], list[RunPrediction]]:
+    rows, preds = [], []
+    for g, n in (("grp_a", 3), ("grp_b", 2)):
+        for i in range(n):
+            rows.append({"run_id": f"x__{LLAMA}__{g}___{i}_{i}_16_", "model": LLAMA, "status": "ok",
+                         "throughput_tok_s": "1000", "itl_mean_ms": "20"})
+            preds.append(RunPrediction(oom=False, throughput_tok_s=1000 * math.exp(0.01 * (i + 1)),
+                                       itl_mean_ms=20 * math.exp(-0.02 * (i + 1))))
+    return rows, preds
+
+
+def test_data_residuals_weights() -> None:
+    """``itl_weight`` scales the ITL residuals, ``group_weight`` the per-group throughput bias (0 = none);
+    the defaults are the weights the shipped profiles were fitted with."""
+    from lorapack.calibrate.refine import GROUP_BIAS_WEIGHT, RESIDUAL_SCALE, data_residuals
+
+    rows, preds = _weight_rows()
+    base = data_residuals(rows, preds)
+    assert len(base) == 2 * len(rows) + 2  # two groups
+    assert np.allclose(base, data_residuals(rows, preds, itl_weight=1.0, group_weight=GROUP_BIAS_WEIGHT))
+    heavy = data_residuals(rows, preds, itl_weight=3.0, group_weight=2 * GROUP_BIAS_WEIGHT)
+    n = 2 * len(rows)
+    assert np.allclose(heavy[0:n:2], base[0:n:2])  # throughput residuals unchanged
+    assert np.allclose(heavy[1:n:2], 3.0 * base[1:n:2])
+    assert np.allclose(heavy[n:], 2.0 * base[n:])
+    # group a: 3 runs, mean log error 0.02 -> GROUP_BIAS_WEIGHT * sqrt(3) * 0.02 / RESIDUAL_SCALE
+    assert base[n] == pytest.approx(GROUP_BIAS_WEIGHT * math.sqrt(3) * 0.02 / RESIDUAL_SCALE)
+    assert len(data_residuals(rows, preds, group_weight=0.0)) == n
+
+
+def test_refine_passes_residual_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``refine`` (and ``calibrate``'s ``--itl-weight`` / ``--group-weight``) reach the residuals."""
+    import lorapack.calibrate.refine as rf
+
+    rows, preds = _weight_rows()
+    seen: list[tuple[float, float]] = []
+    real = rf.data_residuals
+
+    def spy(r, p, itl_weight=1.0, group_weight=rf.GROUP_BIAS_WEIGHT):
+        seen.append((itl_weight, group_weight))
+        return real(r, p, itl_weight, group_weight)
+
+    monkeypatch.setattr(rf, "data_residuals", spy)
+    prof = find_profile(LLAMA)
+    for kw, want in (({}, (1.0, rf.GROUP_BIAS_WEIGHT)), ({"itl_weight": 2.5, "group_weight": 6.0}, (2.5, 6.0))):
+        seen.clear()
+        rf.refine({LLAMA: prof}, {LLAMA: prof}, rows, lambda _p: list(preds), free=["e0"], max_nfev=1, **kw)
+        assert seen and set(seen) == {want}
+
+
+@pytest.mark.parametrize("opt, value", [("--itl-weight", "-1"), ("--group-weight", "nan")])
+def test_bad_residual_weight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                             opt: str, value: str) -> None:
+    out = tmp_path / "p.yaml"
+    code, _, stderr = run_main(monkeypatch, capsys, "calibrate", "--profiling", tmp_path / "nowhere",
+                               "--model", LLAMA, "--out", out, opt, value)
+    assert code == 2 and opt in stderr and "expected a finite number >= 0" in stderr and not out.exists()

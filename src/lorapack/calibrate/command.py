@@ -36,6 +36,7 @@ from .priors import fit_priors_from, lora_overhead_points, plain_scalars
 from .refine import (
     DEFAULT_FREE,
     FREE_PARAMS,
+    GROUP_BIAS_WEIGHT,
     Evaluator,
     param_value,
     refine,
@@ -95,14 +96,16 @@ def _stage_rows(rows: list[dict], stride: int) -> list[dict]:
 def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] = (), seeds: Sequence[int] = (0,),
                    lengths: str = "lognormal", free: Sequence[str] = DEFAULT_FREE,
                    max_evals: tuple[int, int] = DEFAULT_MAX_EVALS, max_wall_s: float = DEFAULT_MAX_WALL_S,
-                   workers: int = 0, start: Profile | None = None,
+                   workers: int = 0, start: Profile | None = None, itl_weight: float = 1.0,
+                   group_weight: float = GROUP_BIAS_WEIGHT,
                    log: Callable[[str], None] | None = None) -> tuple[Profile, dict]:
     """Refine ``prior``'s step-time constants against ``rows`` (one model); returns (profile, provenance).
 
     Stage 1 searches on every third run, stage 2 polishes on all runs; each stops at a tolerance, its
     evaluation budget (``max_evals``) or the wall-time cap (``max_wall_s`` for both stages together). The
     provenance says, per stage, how it ended; ``refined`` is False when no constant moved (e.g. a zero
-    budget), and the log says so. ``start``: where the search begins (default: the priors)."""
+    budget), and the log says so. ``start``: where the search begins (default: the priors). ``itl_weight``,
+    ``group_weight``: weights of the ITL and group-bias residuals (``refine.data_residuals``)."""
     import time
 
     model = prior.model
@@ -125,7 +128,8 @@ def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] 
                 f"or {cap / 60:.1f} min")
         with Evaluator(sub, seeds=seeds, lengths=lengths, workers=workers) as ev:
             res = refine({model: prof}, {model: prior}, sub, ev, free=free, anchors={model: anchors},
-                         max_nfev=nfev, max_wall_s=cap, log=log)[model]
+                         itl_weight=itl_weight, group_weight=group_weight, max_nfev=nfev, max_wall_s=cap,
+                         log=log)[model]
         stages.append({"runs": len(sub), "stride": stride, "max_evaluations": nfev, "evaluations": res.n_evals,
                        "iterations": res.iterations, "converged": res.converged, "wall_s": res.wall_s,
                        "cost_start": res.cost_start, "cost_end": res.cost_end, "status": res.status,
@@ -151,6 +155,7 @@ def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] 
                   "and ITL over the runs (a 5% error = 1 unit), priors as Gaussian regularisation "
                   f"(residual (value - prior)/sd); stage 1 on every {SUBSET_STRIDE}rd run, stage 2 on all runs; "
                   f"each to convergence (ftol/xtol 1e-3) within {max_wall_s:.0f} s for both",
+        "weights": {"itl": itl_weight, "group_bias": group_weight},
         "refined": moved,
         "converged": bool(stages) and all(s["converged"] for s in stages),
         "frontend": p_front,
@@ -201,16 +206,21 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
               seeds: int = 1, lengths: str = "lognormal", workers: int = 0,
               max_evals: tuple[int, int] = DEFAULT_MAX_EVALS, free: Sequence[str] = DEFAULT_FREE,
               max_model_len: int | None = None, max_wall_s: float = DEFAULT_MAX_WALL_S,
-              start: Profile | None = None, log: Callable[[str], None] | None = None) -> dict:
+              start: Profile | None = None, itl_weight: float = 1.0, group_weight: float = GROUP_BIAS_WEIGHT,
+              log: Callable[[str], None] | None = None) -> dict:
     """The whole ``lorapack calibrate`` procedure; returns a summary (also recorded in the profile).
 
     ``start``: a profile whose step-time constants (the free ones) start the refinement instead of the priors,
-    e.g. the shipped profile when re-fitting after a change of the model; the priors stay the regularisation."""
+    e.g. the shipped profile when re-fitting after a change of the model; the priors stay the regularisation.
+    ``itl_weight``, ``group_weight``: weights of the ITL and group-bias residuals of the refinement."""
     profiling = Path(profiling)
     if seeds < 1:
         raise DataError(f"--seeds {seeds}: expected an integer >= 1")
     if lengths not in ("fixed", "lognormal"):
         raise DataError(f"--lengths {lengths}: expected fixed or lognormal")
+    for name, w in (("--itl-weight", itl_weight), ("--group-weight", group_weight)):
+        if not (isinstance(w, int | float) and w >= 0 and w < float("inf")):
+            raise DataError(f"{name} {w}: expected a finite number >= 0")
     bad = [n for n in free if n not in FREE_PARAMS]
     if bad:
         raise DataError(f"--free {','.join(bad)}: unknown; expected names among {', '.join(FREE_PARAMS)}")
@@ -241,7 +251,7 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
             begin = with_values(prior, {n: param_value(n, start) for n in free})
         prof, p_ref = refine_profile(prior, rows, anchors=anchors, seeds=seed_list, lengths=lengths, free=free,
                                      max_evals=max_evals, max_wall_s=max_wall_s, workers=workers, start=begin,
-                                     log=log)
+                                     itl_weight=itl_weight, group_weight=group_weight, log=log)
         if log:
             log(f"{model}: validating on {len(rows)} runs (priors only, then refined)")
         s_prior, table_prior = validate_profile(prior, rows, seeds=seed_list, lengths=lengths, workers=workers)

@@ -243,15 +243,17 @@ def lora_anchor_residuals(profile: Profile, anchors: Sequence[dict]) -> np.ndarr
 def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Sequence[dict],
            evaluator: Callable[[dict[str, Profile]], list[RunPrediction | None]], free: Sequence[str] = DEFAULT_FREE,
            start: dict[str, dict[str, float]] | None = None, prior_weight: float = 1.0,
-           itl_weight: float = 1.0, anchors: dict[str, Sequence[dict]] | None = None, anchor_weight: float = 1.0,
+           itl_weight: float = 1.0, group_weight: float = GROUP_BIAS_WEIGHT,
+           anchors: dict[str, Sequence[dict]] | None = None, anchor_weight: float = 1.0,
            max_nfev: int = 40, diff_step: float = 0.1, max_wall_s: float | None = None,
            ftol: float = 1e-3, xtol: float = 1e-3,
            log: Callable[[str], None] | None = None) -> dict[str, RefineResult]:
     """Fit the ``free`` constants of every model in ``profiles`` to ``rows`` (one independent fit per model).
 
-    Residuals per model: log throughput and ITL errors of every ok run (5 % = 1 unit, ``soft_l1`` loss), the
-    log errors of the directly measured LoRA overheads ``anchors`` (profiling runs; no simulation needed),
-    and ``(value - prior) / sd`` for every free constant, the prior being its value in ``priors[model]``.
+    Residuals per model: log throughput and ITL errors of every ok run (5 % = 1 unit, ``soft_l1`` loss; ITL
+    times ``itl_weight``), each run group's mean log throughput error (times ``group_weight``, see
+    ``data_residuals``), the log errors of the directly measured LoRA overheads ``anchors`` (profiling runs;
+    no simulation needed), and ``(value - prior) / sd`` for every free constant, the prior being its value in ``priors[model]``.
     ``evaluator`` simulates rows for a dict of profiles (see ``Evaluator``). ``start`` (per model) overrides
     the starting point (default: the values in ``profiles``).
 
@@ -327,7 +329,7 @@ def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Seque
         parts = []
         for j, m in enumerate(models):
             preds = cache[key(x, j)]
-            d = data_residuals([rows[i] for i in idx[m]], [preds[i] for i in idx[m]], itl_weight)
+            d = data_residuals([rows[i] for i in idx[m]], [preds[i] for i in idx[m]], itl_weight, group_weight)
             if anchors.get(m):
                 cand = with_values(profiles[m], unpack(x)[m])
                 d = np.concatenate([d, anchor_weight * lora_anchor_residuals(cand, anchors[m])])

@@ -10,7 +10,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ..calibrate.refine import DEFAULT_FREE
+from ..calibrate.refine import DEFAULT_FREE, GROUP_BIAS_WEIGHT
 from .common import check_workers, console, err_console, fmt, print_json
 
 
@@ -43,6 +43,11 @@ def calibrate(
     free: Annotated[str, typer.Option("--free", show_default=False,
                                       help="Step-time constants to refine (comma-separated); default: "
                                            + ", ".join(DEFAULT_FREE) + ".")] = ",".join(DEFAULT_FREE),
+    itl_weight: Annotated[float, typer.Option("--itl-weight", help="Weight of each run's ITL residual "
+                                              "relative to its throughput residual.")] = 1.0,
+    group_weight: Annotated[float, typer.Option("--group-weight", help="Weight of each run group's mean "
+                                                "throughput error (times sqrt(runs in the group); 0 = off).")
+                            ] = GROUP_BIAS_WEIGHT,
     workers: Annotated[int, typer.Option(help="Parallel processes (0 = all cores).")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
@@ -70,7 +75,8 @@ def calibrate(
     summary = run_calibration(profiling, model, gpu=gpu, vllm_version=vllm_version, runs=runs, out=out, report=report,
                         seeds=seeds, lengths=lengths, workers=workers, max_evals=evals,  # type: ignore[arg-type]
                         free=[f.strip() for f in free.split(",") if f.strip()], max_model_len=max_model_len,
-                        max_wall_s=max_minutes * 60.0, start=start_profile, log=log)
+                        max_wall_s=max_minutes * 60.0, start=start_profile, itl_weight=itl_weight,
+                        group_weight=group_weight, log=log)
     ref = summary.get("refinement")
     if ref is not None and not ref.get("refined", True):
         err_console.print("[yellow]warning:[/yellow] the refinement changed no constant: the 'refined' values "
