@@ -36,7 +36,8 @@ models: $(STAMP)
 # the evaluate study of issue 9 (144 scenarios; niced: the machine is shared), then its tables into the docs
 evaluate: $(STAMP)
 	mkdir -p results
-	nice -n 10 $(BIN)/lorapack evaluate studies/evaluate/llama.yaml studies/evaluate/qwen.yaml \
+	nice -n 10 $(BIN)/lorapack evaluate studies/evaluate/llama.yaml studies/evaluate/llama-throughput.yaml \
+		studies/evaluate/qwen.yaml studies/evaluate/qwen-throughput.yaml \
 		--out results/evaluate --jobs 2 --workers 1 $(EVALUATE_ARGS)
 	$(BIN)/python scripts/evaluation_doc.py results/evaluate
 
