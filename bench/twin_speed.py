@@ -18,7 +18,9 @@ Before/after comparison of two versions of the twin in the same run: ``--compare
 git revision REV into a temporary directory and starts two worker processes, one importing that version and
 one importing the working tree's; each config is timed on both, alternating, ``--repeats`` times (default
 5 here), and the best time per config and version is kept. Prints both, the median and max over configs and
-the after/before ratios; writes ``bench/results/twin_speed_compare.json``.
+the after/before ratios; writes ``bench/results/twin_speed_compare.json``. The workers also report the CPU
+time of each run (``time.thread_time``): its ratios, printed after the wall-time ones, move less when other
+jobs share the machine.
 """
 
 from __future__ import annotations
@@ -83,9 +85,10 @@ def serve() -> None:
         name, model, n, ranks, rates, a_max, s_max, _paper_s = by_name[line.strip()]
         prof, wl = find_profile(model), build(model, n, ranks, rates)
         flags = ServerFlags(max_loras=a_max, max_lora_rank=s_max)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         m, _res = simulate(prof, wl, flags, 3600.0, 0)
-        print(json.dumps({"config": name, "wall_s": time.perf_counter() - t0, "steps": int(m.n_steps)}), flush=True)
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        print(json.dumps({"config": name, "wall_s": wall, "cpu_s": cpu, "steps": int(m.n_steps)}), flush=True)
 
 
 def _worker(src: Path) -> subprocess.Popen:
@@ -97,11 +100,11 @@ def _worker(src: Path) -> subprocess.Popen:
     return proc
 
 
-def _time(proc: subprocess.Popen, name: str) -> tuple[float, int]:
+def _time(proc: subprocess.Popen, name: str) -> tuple[float, float, int]:
     proc.stdin.write(name + "\n")
     proc.stdin.flush()
     out = json.loads(proc.stdout.readline())
-    return out["wall_s"], out["steps"]
+    return out["wall_s"], out["cpu_s"], out["steps"]
 
 
 def compare(rev: str, repeats: int, out: Path, only: list[str] | None = None) -> None:
@@ -113,14 +116,16 @@ def compare(rev: str, repeats: int, out: Path, only: list[str] | None = None) ->
         versions = {"before": Path(tmp) / "src", "after": REPO / "src"}
         procs = {k: _worker(v) for k, v in versions.items()}
         best = {k: {c[0]: float("inf") for c in configs} for k in versions}
+        best_cpu = {k: {c[0]: float("inf") for c in configs} for k in versions}
         steps: dict[str, dict[str, int]] = {k: {} for k in versions}  # engine steps: what each version simulates
         try:
             for rep in range(repeats):
                 for name, *_ in configs:
                     order = ("before", "after") if rep % 2 == 0 else ("after", "before")
                     for k in order:
-                        wall, steps[k][name] = _time(procs[k], name)
+                        wall, cpu, steps[k][name] = _time(procs[k], name)
                         best[k][name] = min(best[k][name], wall)
+                        best_cpu[k][name] = min(best_cpu[k][name], cpu)
                 print(f"repeat {rep + 1}/{repeats} done", flush=True)
         finally:
             for p in procs.values():
@@ -146,9 +151,18 @@ def compare(rev: str, repeats: int, out: Path, only: list[str] | None = None) ->
     per_step = {k: {n: best[k][n] / steps[k][n] for n in best[k]} for k in versions}
     ratios["median_wall_per_step"] = statistics.median(per_step["after"][n] / per_step["before"][n] for n in best["after"])
     print(f"wall per engine step, after/before: median {ratios['median_wall_per_step']:.3f}")
+    cpu = {k: {"median_cpu_s": statistics.median(best_cpu[k].values()), "max_cpu_s": max(best_cpu[k].values())}
+           for k in versions}
+    for m in ("median_cpu_s", "max_cpu_s"):
+        ratios[m] = cpu["after"][m] / cpu["before"][m]
+    ratios["median_cpu_per_step"] = statistics.median(
+        best_cpu["after"][n] / steps["after"][n] / (best_cpu["before"][n] / steps["before"][n]) for n in best_cpu["after"])
+    print(f"CPU time (thread), after/before: median {ratios['median_cpu_s']:.3f}, max {ratios['max_cpu_s']:.3f}; "
+          f"per engine step: median {ratios['median_cpu_per_step']:.3f}")
     payload = {"bench": "twin_speed_compare", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "before": rev, "repeats": repeats, "load_average_1min_end": os.getloadavg()[0],
-               "summary": summary, "ratios": ratios, "configs": best, "steps": steps}
+               "summary": summary, "ratios": ratios, "configs": best, "steps": steps,
+               "cpu_summary": cpu, "configs_cpu": best_cpu}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {out}")

@@ -10,7 +10,9 @@ phase                      vLLM code it mirrors
                            tail of ``Scheduler.waiting`` (held back while the benchmark client is saturated)
 ``_schedule_running``      ``schedule()``, "First, schedule the RUNNING requests": walk ``self.running`` in
                            order while ``token_budget > 0``; ``kv_cache_manager.allocate_slots`` and, when it
-                           fails, preempt ``self.running.pop()`` (``_preempt_request``) until it fits
+                           fails, preempt ``self.running.pop()`` (``_preempt_request``) until it fits. (Both
+                           schedule passes also advance ``num_computed_tokens`` and note the batch's adapters
+                           with their LRU touch, ``_add_to_batch``, as they schedule a request.)
 ``_preempt_tail``          ``_preempt_request`` (recompute): free the victim's blocks, ``num_computed_tokens
                            = 0``, ``self.waiting.prepend_request(victim)``
 ``_schedule_waiting``      ``schedule()``, "Next, schedule the WAITING requests" (only without preemption):
@@ -24,8 +26,8 @@ phase                      vLLM code it mirrors
                            turn comes: vLLM's eviction cascade)
 ``_step_ms``               the model run (``execute_model``): scheduler CPU time + adapter loads + forward
                            pass, from the calibrated estimators in ``steptime.py``
-``_update_from_output``    ``update_from_output``: advance ``num_computed_tokens``, sample one token per
-                           request that reached its end, ``_free_request`` the finished ones
+``_update_from_output``    ``update_from_output``: sample one token per request that reached its end (and
+                           bin its inter-token gap), ``_free_request`` the finished ones
 =========================  =====================================================================================
 
 Exact semantics (ties, held arrivals, timeline sampling) are in ``docs/engine-semantics.md``; ``reference.py``
@@ -37,7 +39,11 @@ waiting queue (``WaitingQueue``), the running list by slot (``RunningSlots``), t
 it fast:
 
 * the hot per-step state of running requests is contiguous by slot of the running list
-  (``running.computed_tokens[i]``, ``running.kv_blocks[i]``);
+  (``running.computed_tokens[i]``, ``running.kv_blocks[i]``), a window over arrays twice its length, so that
+  the oldest requests, which finish first, leave it without moving the others; one pass over it per step
+  schedules (and notes the batch's adapters), one samples the tokens;
+* indices are known to be >= 0 where the compiled code can see it (counted up from 0, or unsigned arrays of
+  adapter indices): numba then omits its fix-up for negative indices on every array access;
 * the waiting queue is one FIFO per adapter, ordered by a global key (arrival index, or a negative counter
   for preemption victims so that they sort first, latest victim first). The global queue order is the merge
   of the FIFOs, so vLLM's scan "skip requests of adapters that would exceed max_loras, admit the others in
@@ -48,8 +54,9 @@ it fast:
   counting (``_nrt=False``): reading an array out of a container then costs what reading a local does;
 * ``compiled=False`` runs the step loop as plain Python (the phases it calls stay compiled).
 
-Compiled machine code is cached in a user cache directory keyed by the hash of this file and ``steptime.py``
-(numba does not notice changes of code it inlined from another file); nothing is written into the package.
+Compiled machine code is cached in a user cache directory keyed by the hash of this file, ``steptime.py`` and
+``gaps.py`` (numba does not notice changes of code it inlined from another file); nothing is written into the
+package.
 """
 
 from __future__ import annotations
@@ -98,8 +105,7 @@ COUNTERS = np.dtype([
     ("busy_s", np.float64),
     ("sched_s", np.float64),
     ("load_s", np.float64),
-    ("last_gap_s", np.float64),  # a cache: the gap whose histogram bin was computed last ...
-    ("last_gap_bin", np.int64),  # ... and that bin (most steps repeat the previous step's duration)
+    ("running_lo", np.int64),  # the running list is slots running_lo .. running_lo + n_running - 1
 ], align=True)
 
 class ServerLimits(NamedTuple):
@@ -149,7 +155,11 @@ class WaitingQueue(NamedTuple):
     active_adapter: np.ndarray
 
 class RunningSlots(NamedTuple):
-    """The running list in admission order, one slot per request; a step's schedule is a slot prefix."""
+    """The running list in admission order, one slot per request, in the window of slots from
+    ``counters.running_lo`` (``n_running`` of them); a step's schedule is a prefix of the window. The arrays
+    are twice the longest list: requests finish mostly at the front (the oldest), where dropping one moves
+    the window's start instead of every later slot; the window moves back to slot 0 when its end reaches the
+    arrays' end."""
 
     request: np.ndarray
     computed_tokens: np.ndarray
@@ -158,21 +168,22 @@ class RunningSlots(NamedTuple):
     prompt_tokens: np.ndarray
     target_output_tokens: np.ndarray
     adapter: np.ndarray
-    scheduled_tokens: np.ndarray  # this step
     t_last_token_s: np.ndarray  # when the request's latest token was streamed (NaN: none yet)
 
 class AdapterCaches(NamedTuple):
-    """GPU slots and CPU cache, LRU by the step of last use (ties: lowest index)."""
+    """GPU slots and CPU cache, LRU by the stamp of the last touch (``last_touch``)."""
 
     n_running: np.ndarray  # [adapter] running requests
     in_gpu: np.ndarray
-    gpu_slots: np.ndarray  # resident adapters, first n_gpu_resident entries
-    gpu_last_touch: np.ndarray  # LRU stamp: step * n_adapters + adapter_order (warm start: index - N)
+    gpu_slots: np.ndarray  # resident adapters, first n_gpu_resident entries (uint32, as cpu_slots)
     in_cpu: np.ndarray
     cpu_slots: np.ndarray
-    cpu_last_touch: np.ndarray
-    batch_step: np.ndarray  # [adapter] last step whose batch used it
+    # LRU stamp of both caches: step * n_adapters + adapter_order of the last step whose batch used the adapter
+    # (warm start: index - N); set as the batch is formed (the walk of a step with loads redoes it in order)
+    last_touch: np.ndarray
+    batch_step: np.ndarray  # [adapter] last step whose batch loaded adapters and used this one
     batch: np.ndarray  # the distinct adapters of this step's batch
+    batch_old_touch: np.ndarray  # their stamps before this step
 
 class EngineState(NamedTuple):
     requests: Requests
@@ -308,13 +319,20 @@ def _add_arrivals(lim, st):
 
 
 @njit(inline="always")
+def _running_lo(st):
+    """The first slot of the running list. (Known to be >= 0 in the compiled code, with an index counted up
+    from 0 added to it: every array access then skips the fix-up for negative indices.)"""
+    return max(st.counters[0].running_lo, 0)
+
+
+@njit(inline="always")
 def _preempt_tail(st):
     """Preempt the last running request (recompute): it loses its blocks and computed tokens and
     returns to the head of the waiting queue, ahead of every arrival."""
     c = st.counters[0]
     run, req, ad = st.running, st.requests, st.adapters
     c.n_running -= 1
-    slot = c.n_running
+    slot = c.running_lo + c.n_running
     v = run.request[slot]
     c.free_kv_blocks += run.kv_blocks[slot]
     req.output_tokens_done[v] = run.output_tokens[slot]
@@ -333,40 +351,87 @@ def _preempt_tail(st):
 
 
 @njit(inline="always")
+def _add_to_batch(lim, st, stamp_base, a, n_adapters, n_missing):
+    """Note adapter ``a`` in this step's batch (``AdapterCaches.batch``: distinct, in order of first use) and
+    touch it (its stamp of this step, ``stamp_base + adapter_order[a]``, with ``stamp_base = step * N``) at the
+    moment one of its requests is scheduled; returns the updated (distinct adapters, those of them not in a
+    GPU slot). A scheduled request stays scheduled (preemption takes requests not scheduled yet), and no
+    adapter moves before ``_activate_adapters``. Stamps of earlier steps are below ``stamp_base``."""
+    ad = st.adapters
+    old = ad.last_touch[a]
+    if old < stamp_base:  # not in this step's batch yet
+        ad.batch[n_adapters] = a
+        ad.batch_old_touch[n_adapters] = old
+        ad.last_touch[a] = stamp_base + lim.adapter_order[a]
+        n_adapters += 1
+        if not ad.in_gpu[a]:
+            n_missing += 1
+    return n_adapters, n_missing
+
+
+@njit(inline="always")
 def _schedule_running(lim, st):
     """The running pass, in admission order. Returns (token budget left, requests scheduled, decode
-    requests among them, their computed context tokens, whether a request was preempted)."""
+    requests among them, their computed context tokens, whether a request was preempted, distinct adapters
+    of the batch so far, those of them not in a GPU slot)."""
     c = st.counters[0]
     run = st.running
+    stamp_base = c.step * st.adapters.last_touch.shape[0]
+    lo = _running_lo(st)  # (only the waiting pass moves the window)
     budget = lim.max_num_batched_tokens
     preempted = False
     n_decode = 0
-    ctx_tokens = 0.0
+    ctx_tokens = 0  # summed as an integer: the same float as a float sum (exact below 2**53), sooner
+    n_adapters = 0
+    n_missing = 0
     i = 0
     while i < c.n_running and budget > 0:
-        pending = run.prompt_tokens[i] + run.output_tokens[i] - run.computed_tokens[i]
+        s = lo + i
+        computed = run.computed_tokens[s]
+        pending = run.prompt_tokens[s] + run.output_tokens[s] - computed
         num = min(pending, budget)
-        while True:  # allocate_slots, preempting the tail until the blocks fit
-            need = (run.computed_tokens[i] + num + lim.block_size_tokens - 1) // lim.block_size_tokens \
-                - run.kv_blocks[i]
-            if need <= c.free_kv_blocks:
-                if need > 0:
-                    run.kv_blocks[i] += need
-                    c.free_kv_blocks -= need
+        # allocate_slots: the blocks it holds suffice for most steps (need <= 0 <= free_kv_blocks below), so
+        # the division and the preemption loop run only when the tokens outgrow them
+        if computed + num > run.kv_blocks[s] * lim.block_size_tokens:
+            while True:  # preempting the tail until the blocks fit
+                need = (computed + num + lim.block_size_tokens - 1) // lim.block_size_tokens - run.kv_blocks[s]
+                if need <= c.free_kv_blocks:
+                    if need > 0:
+                        run.kv_blocks[s] += need
+                        c.free_kv_blocks -= need
+                    break
+                _preempt_tail(st)
+                preempted = True
+                if c.n_running == i:  # the victim was this request itself
+                    break
+            if c.n_running == i:
                 break
-            _preempt_tail(st)
-            preempted = True
-            if c.n_running == i:  # the victim was this request itself
-                break
-        if c.n_running == i:
-            break
-        if run.output_tokens[i] >= 1 and pending == 1:
+        if run.output_tokens[s] >= 1 and pending == 1:
             n_decode += 1
-        ctx_tokens += run.computed_tokens[i]
-        run.scheduled_tokens[i] = num
+        ctx_tokens += computed
+        run.computed_tokens[s] = computed + num  # computed by the end of the step
         budget -= num
+        n_adapters, n_missing = _add_to_batch(lim, st, stamp_base, run.adapter[s], n_adapters, n_missing)
         i += 1
-    return budget, i, n_decode, ctx_tokens, preempted
+    return budget, i, n_decode, float(ctx_tokens), preempted, n_adapters, n_missing
+
+
+@njit(inline="always")
+def _move_window_to_start(st):
+    """Move the running list's window to slot 0 (its end reached the arrays' end)."""
+    c = st.counters[0]
+    run = st.running
+    lo = c.running_lo
+    for j in range(c.n_running):
+        run.request[j] = run.request[lo + j]
+        run.computed_tokens[j] = run.computed_tokens[lo + j]
+        run.output_tokens[j] = run.output_tokens[lo + j]
+        run.kv_blocks[j] = run.kv_blocks[lo + j]
+        run.prompt_tokens[j] = run.prompt_tokens[lo + j]
+        run.target_output_tokens[j] = run.target_output_tokens[lo + j]
+        run.adapter[j] = run.adapter[lo + j]
+        run.t_last_token_s[j] = run.t_last_token_s[lo + j]
+    c.running_lo = 0
 
 
 @njit(inline="always")
@@ -378,17 +443,18 @@ def _admit(lim, st, r, a, num, need_blocks):
     c.n_waiting -= 1
     c.free_kv_blocks -= need_blocks
     req.status[r] = RUNNING
-    slot = c.n_running
+    if c.running_lo + c.n_running == run.request.shape[0]:
+        _move_window_to_start(st)
+    slot = c.running_lo + c.n_running
     run.request[slot] = r
-    run.computed_tokens[slot] = 0
+    run.computed_tokens[slot] = num  # computed by the end of the step
     run.output_tokens[slot] = req.output_tokens_done[r]
     run.kv_blocks[slot] = need_blocks
     run.prompt_tokens[slot] = req.prompt_tokens[r]
     run.target_output_tokens[slot] = req.output_tokens[r]
     run.adapter[slot] = a
-    run.scheduled_tokens[slot] = num
     run.t_last_token_s[slot] = req.t_last_token_s[r]
-    c.n_running = slot + 1
+    c.n_running += 1
     if ad.n_running[a] == 0:
         c.n_active_adapters += 1
     ad.n_running[a] += 1
@@ -396,11 +462,12 @@ def _admit(lim, st, r, a, num, need_blocks):
 
 
 @njit(inline="always")
-def _schedule_waiting(lim, st, budget, n_scheduled):
+def _schedule_waiting(lim, st, budget, n_scheduled, n_adapters, n_missing):
     """The waiting pass: the merge of the per-adapter FIFOs by key, with the ``max_loras`` skip rule.
-    Returns (token budget left, requests scheduled)."""
+    Returns (token budget left, requests scheduled, distinct adapters of the batch, those not in a GPU slot)."""
     c = st.counters[0]
     q, req = st.queue, st.requests
+    stamp_base = c.step * st.adapters.last_touch.shape[0]
     while c.n_waiting > 0 and budget > 0:
         if c.n_running == lim.max_num_seqs:
             break
@@ -418,7 +485,8 @@ def _schedule_waiting(lim, st, budget, n_scheduled):
         _admit(lim, st, r, a, num, need_blocks)
         n_scheduled += 1
         budget -= num
-    return budget, n_scheduled
+        n_adapters, n_missing = _add_to_batch(lim, st, stamp_base, a, n_adapters, n_missing)
+    return budget, n_scheduled, n_adapters, n_missing
 
 
 @njit(inline="always")
@@ -430,14 +498,15 @@ def _lru_victim(slots, n_resident, last_touch, batch_step, step, protect_batch):
     which is not resident, while the caller only evicts from a full cache of >= ``max_loras`` slots; and the
     adapters touched in this step are the newest."""
     best = 0
-    found = False
+    best_touch = INF_KEY  # above every stamp
     for j in range(n_resident):
         a = slots[j]
         if protect_batch and batch_step[a] == step:
             continue
-        if not found or last_touch[a] < last_touch[slots[best]]:  # stamps are distinct
+        t = last_touch[a]
+        if t < best_touch:  # stamps are distinct
             best = j
-            found = True
+            best_touch = t
     return best
 
 
@@ -446,7 +515,7 @@ def _evict_cpu(lim, st):
     """Drop the least recently used adapter from the CPU cache (and from its GPU slot, if it has one)."""
     c = st.counters[0]
     ad = st.adapters
-    j = _lru_victim(ad.cpu_slots, c.n_cpu_resident, ad.cpu_last_touch, ad.batch_step, c.step,
+    j = _lru_victim(ad.cpu_slots, c.n_cpu_resident, ad.last_touch, ad.batch_step, c.step,
                     lim.lru_protects_batch)
     old = ad.cpu_slots[j]
     ad.in_cpu[old] = False
@@ -475,7 +544,7 @@ def _load_adapter(lim, st, a, load_ms):
         load_ms += lim.disk_ms[a]
         c.n_disk_loads += 1
     if c.n_gpu_resident >= lim.max_loras:
-        j = _lru_victim(ad.gpu_slots, c.n_gpu_resident, ad.gpu_last_touch, ad.batch_step, c.step,
+        j = _lru_victim(ad.gpu_slots, c.n_gpu_resident, ad.last_touch, ad.batch_step, c.step,
                         lim.lru_protects_batch)
         ad.in_gpu[ad.gpu_slots[j]] = False
         ad.gpu_slots[j] = ad.gpu_slots[c.n_gpu_resident - 1]
@@ -489,41 +558,37 @@ def _load_adapter(lim, st, a, load_ms):
 
 
 @njit(inline="always")
-def _activate_adapters(lim, st, n_scheduled):
-    """Touch the batch's adapters in ``adapter_order`` (the LRU stamp of this step), loading the missing
-    ones as their turn comes. Returns (batch tokens, distinct adapters in the batch, load time in ms)."""
+def _activate_adapters(lim, st, n_adapters, n_missing):
+    """Walk the batch's ``n_adapters`` adapters (noted by ``_add_to_batch``, ``n_missing`` of them not in a
+    GPU slot) in ``adapter_order``, touching each (the LRU stamp of this step) and loading a missing one when
+    its turn comes. Returns the load time in ms.
+
+    Without loads the walk changes nothing but the stamps, which ``_add_to_batch`` already set. With loads an
+    adapter not walked yet still has its stamp of an earlier step (an eviction may pick it): the walk starts
+    from those stamps."""
+    if n_missing == 0:
+        return 0.0
     c = st.counters[0]
-    run, ad = st.running, st.adapters
-    n_all = ad.n_running.shape[0]
-    n_adapters = 0
-    n_tokens = 0
-    n_missing = 0
-    for k in range(n_scheduled):
-        n_tokens += run.scheduled_tokens[k]
-        a = run.adapter[k]
-        if ad.batch_step[a] != c.step:
-            ad.batch_step[a] = c.step
-            ad.batch[n_adapters] = a
-            n_adapters += 1
-            if not ad.in_gpu[a]:
-                n_missing += 1
-    load_ms = 0.0
-    if n_missing > 0:  # the walk order matters only when something is loaded: sort by it then
-        for k in range(1, n_adapters):
-            a = ad.batch[k]
-            j = k
-            while j > 0 and lim.adapter_order[ad.batch[j - 1]] > lim.adapter_order[a]:
-                ad.batch[j] = ad.batch[j - 1]
-                j -= 1
-            ad.batch[j] = a
+    ad = st.adapters
     for k in range(n_adapters):
         a = ad.batch[k]
-        if n_missing > 0 and not ad.in_gpu[a]:  # (an adapter evicted earlier in this walk is loaded again)
+        ad.last_touch[a] = ad.batch_old_touch[k]
+        ad.batch_step[a] = c.step
+    for k in range(1, n_adapters):  # the walk order
+        a = ad.batch[k]
+        j = k
+        while j > 0 and lim.adapter_order[ad.batch[j - 1]] > lim.adapter_order[a]:
+            ad.batch[j] = ad.batch[j - 1]
+            j -= 1
+        ad.batch[j] = a
+    stamp_base = c.step * ad.last_touch.shape[0]
+    load_ms = 0.0
+    for k in range(n_adapters):
+        a = ad.batch[k]
+        if not ad.in_gpu[a]:  # (an adapter evicted earlier in this walk is loaded again)
             load_ms = _load_adapter(lim, st, a, load_ms)  # summed in walk order: bit-identical times
-        stamp = c.step * n_all + lim.adapter_order[a]
-        ad.gpu_last_touch[a] = stamp
-        ad.cpu_last_touch[a] = stamp
-    return n_tokens, n_adapters, load_ms
+        ad.last_touch[a] = stamp_base + lim.adapter_order[a]
+    return load_ms
 
 
 @njit(inline="always")
@@ -550,24 +615,44 @@ def _finish(st, k, t_end_s, duration_s):
 
 
 @njit(inline="always")
-def _compact_running(st, first_finished):
-    """Drop finished requests from the running list, keeping admission order."""
+def _move_slot(run, j, k):
+    """Copy the request of slot ``k`` to slot ``j``."""
+    run.request[j] = run.request[k]
+    run.computed_tokens[j] = run.computed_tokens[k]
+    run.output_tokens[j] = run.output_tokens[k]
+    run.kv_blocks[j] = run.kv_blocks[k]
+    run.prompt_tokens[j] = run.prompt_tokens[k]
+    run.target_output_tokens[j] = run.target_output_tokens[k]
+    run.adapter[j] = run.adapter[k]
+    run.t_last_token_s[j] = run.t_last_token_s[k]
+
+
+@njit(inline="always")
+def _compact_running(st, first_finished, last_finished, n_finished):
+    """Drop the requests that finished in this step (the ``first_finished``-th .. ``last_finished``-th of
+    the running list) from it, keeping admission order: the requests before the last finished one move up
+    (the window's start moves past the dropped ones) or those after the first one move down, whichever are
+    fewer."""
     c = st.counters[0]
-    run = st.running
-    j = first_finished
-    for k in range(first_finished, c.n_running):
-        if st.requests.status[run.request[k]] != FINISHED:
-            if j != k:
-                run.request[j] = run.request[k]
-                run.computed_tokens[j] = run.computed_tokens[k]
-                run.output_tokens[j] = run.output_tokens[k]
-                run.kv_blocks[j] = run.kv_blocks[k]
-                run.prompt_tokens[j] = run.prompt_tokens[k]
-                run.target_output_tokens[j] = run.target_output_tokens[k]
-                run.adapter[j] = run.adapter[k]
-                run.t_last_token_s[j] = run.t_last_token_s[k]
-            j += 1
-    c.n_running = j
+    run, status = st.running, st.requests.status
+    lo = _running_lo(st)
+    n = c.n_running
+    if last_finished < n - first_finished:
+        j = last_finished
+        for i in range(last_finished - 1, -1, -1):
+            if status[run.request[lo + i]] != FINISHED:
+                if j != i:
+                    _move_slot(run, lo + j, lo + i)
+                j -= 1
+        c.running_lo = lo + n_finished
+    else:
+        j = first_finished
+        for i in range(first_finished, n):
+            if status[run.request[lo + i]] != FINISHED:
+                if j != i:
+                    _move_slot(run, lo + j, lo + i)
+                j += 1
+    c.n_running = n - n_finished
 
 
 @njit(inline="always")
@@ -580,8 +665,11 @@ def _update_from_output(lim, st, n_scheduled, t_end_s):
     in_window = t_end_s <= lim.duration_s
     n_gaps_of_this_step = 0  # tokens whose previous one ended the previous step: gap = this step
     first_finished = -1
-    for k in range(n_scheduled):
-        run.computed_tokens[k] += run.scheduled_tokens[k]
+    last_finished = -1
+    n_finished = 0
+    lo = _running_lo(st)
+    for i in range(n_scheduled):  # (the schedule passes already added this step's tokens to computed_tokens)
+        k = lo + i
         if run.computed_tokens[k] == run.prompt_tokens[k] + run.output_tokens[k]:
             run.output_tokens[k] += 1
             if run.output_tokens[k] == 1:
@@ -595,16 +683,13 @@ def _update_from_output(lim, st, n_scheduled, t_end_s):
             if run.output_tokens[k] == run.target_output_tokens[k]:
                 _finish(st, k, t_end_s, lim.duration_s)
                 if first_finished < 0:
-                    first_finished = k
-    if n_gaps_of_this_step > 0:
-        c = st.counters[0]
-        gap_s = t_end_s - t_start_s
-        if gap_s != c.last_gap_s:  # the logarithm only when the step's duration changed
-            c.last_gap_s = gap_s
-            c.last_gap_bin = _gap_bin(gap_s)
-        st.gap_hist[c.last_gap_bin] += n_gaps_of_this_step
-    if first_finished >= 0:
-        _compact_running(st, first_finished)
+                    first_finished = i
+                last_finished = i
+                n_finished += 1
+    if n_gaps_of_this_step > 0:  # one histogram update per step for them
+        st.gap_hist[_gap_bin(t_end_s - t_start_s)] += n_gaps_of_this_step
+    if n_finished > 0:
+        _compact_running(st, first_finished, last_finished, n_finished)
 
 
 @njit(inline="always")
@@ -613,9 +698,10 @@ def _step(lim, st):
     c = st.counters[0]
     _emit_samples(lim, st, True)
     _add_arrivals(lim, st)
-    budget, n_scheduled, n_decode, ctx_tokens, preempted = _schedule_running(lim, st)
+    budget, n_scheduled, n_decode, ctx_tokens, preempted, n_adapters, n_missing = _schedule_running(lim, st)
     if not preempted:
-        budget, n_scheduled = _schedule_waiting(lim, st, budget, n_scheduled)
+        budget, n_scheduled, n_adapters, n_missing = _schedule_waiting(lim, st, budget, n_scheduled, n_adapters,
+                                                                       n_missing)
     if n_scheduled == 0:  # idle: jump to the next arrival (no step time charged)
         req = st.requests
         nxt = c.next_arrival_index
@@ -624,7 +710,8 @@ def _step(lim, st):
         else:
             c.t_s = lim.duration_s
         return
-    n_tokens, n_adapters, load_ms = _activate_adapters(lim, st, n_scheduled)
+    load_ms = _activate_adapters(lim, st, n_adapters, n_missing)
+    n_tokens = lim.max_num_batched_tokens - budget  # the scheduled tokens
     # step time = scheduler (CPU) + adapter loads + forward pass
     sched_ms = _sched_ms(lim.step_coef, c.n_running, c.n_waiting)
     step_ms = sched_ms + load_ms + _compute_ms(lim.step_coef, n_scheduled, n_tokens - n_decode, n_tokens,
@@ -687,33 +774,36 @@ def new_state(cfg: EngineConfig, req: RequestArrays) -> EngineState:
         prev=np.full(n, -1, np.int64), all_key=np.full(2 * size, INF_KEY, np.int64),
         all_adapter=np.full(2 * size, -1, np.int64), active_key=np.full(2 * size, INF_KEY, np.int64),
         active_adapter=np.full(2 * size, -1, np.int64))
-    cap = min(n, int(cfg.max_num_seqs)) + 1
-    running = RunningSlots(*(np.full(cap, np.nan) if f == "t_last_token_s" else np.zeros(cap, np.int64)
-                             for f in RunningSlots._fields))
+    cap = 2 * (min(n, int(cfg.max_num_seqs)) + 1)  # the window over twice the longest list
+    # adapter indices unsigned (N < 2**32): the compiled code indexes with them without a negative-index fix-up
+    running = RunningSlots(*(np.full(cap, np.nan) if f == "t_last_token_s" else
+                             np.zeros(cap, np.uint32 if f == "adapter" else np.int64) for f in RunningSlots._fields))
     stamps = np.arange(n_ad, dtype=np.int64) - n_ad  # earlier registered = less recently used
     adapters = AdapterCaches(
         n_running=np.zeros(n_ad, np.int64), in_gpu=np.zeros(n_ad, np.bool_),
-        gpu_slots=np.zeros(max(max_loras, 1), np.int64), gpu_last_touch=stamps.copy(),
-        in_cpu=np.zeros(n_ad, np.bool_), cpu_slots=np.zeros(max(max_cpu_loras, 1), np.int64),
-        cpu_last_touch=stamps.copy(), batch_step=np.full(n_ad, -1, np.int64),
-        batch=np.zeros(max(max_loras, 1) + 1, np.int64))
+        gpu_slots=np.zeros(max(max_loras, 1), np.uint32), in_cpu=np.zeros(n_ad, np.bool_),
+        cpu_slots=np.zeros(max(max_cpu_loras, 1), np.uint32), last_touch=stamps,
+        batch_step=np.full(n_ad, -1, np.int64), batch=np.zeros(max(max_loras, 1) + 1, np.int64),
+        batch_old_touch=np.zeros(max(max_loras, 1) + 1, np.int64))
     counters = np.zeros(1, COUNTERS).view(np.recarray)  # records with attribute access, in Python too
     c = counters[0]
     c.free_kv_blocks = int(cfg.kv_blocks)
+    n_cpu = 0
     if cfg.warm_cpu:  # the last registered adapters
-        for a in range(n_ad - min(max_cpu_loras, n_ad), n_ad):
-            adapters.in_cpu[a] = True
-            adapters.cpu_slots[c.n_cpu_resident] = a
-            c.n_cpu_resident += 1
-    if cfg.warm_gpu:
-        for a in range(n_ad - min(max_loras, n_ad), n_ad):
-            adapters.in_gpu[a] = True
-            adapters.gpu_slots[c.n_gpu_resident] = a
-            c.n_gpu_resident += 1
-            if not adapters.in_cpu[a] and c.n_cpu_resident < max_cpu_loras:
-                adapters.in_cpu[a] = True
-                adapters.cpu_slots[c.n_cpu_resident] = a
-                c.n_cpu_resident += 1
+        warm = np.arange(n_ad - min(max_cpu_loras, n_ad), n_ad)
+        adapters.in_cpu[warm] = True
+        adapters.cpu_slots[:len(warm)] = warm
+        n_cpu = len(warm)
+    if cfg.warm_gpu:  # the last registered adapters, in the CPU cache too while it has room
+        warm = np.arange(n_ad - min(max_loras, n_ad), n_ad)
+        adapters.in_gpu[warm] = True
+        adapters.gpu_slots[:len(warm)] = warm
+        c.n_gpu_resident = len(warm)
+        also_cpu = warm[~adapters.in_cpu[warm]][:max(max_cpu_loras - n_cpu, 0)]
+        adapters.in_cpu[also_cpu] = True
+        adapters.cpu_slots[n_cpu:n_cpu + len(also_cpu)] = also_cpu
+        n_cpu += len(also_cpu)
+    c.n_cpu_resident = n_cpu
     timeline = np.zeros((_timeline_samples(float(cfg.duration_s), float(cfg.timeline_dt_s)), len(TIMELINE_COLUMNS)))
     return EngineState(requests, queue, running, adapters, timeline, _gaps_mod.new_histogram(), counters)
 
