@@ -117,14 +117,15 @@ class Context:
 
     def lat_cap(self, inst: Instance, seeds: int) -> CapacityFn:
         """The bound's latency row ``L(S)``, simulated as the verifier would (its seeds, hour and arrivals)."""
-        def say_and_compute(s: int) -> float:
-            self.say(f"lower bound: the latency capacity of one GPU at --max-lora-rank {s}")
-            return inner(s)
+        row = latency_capacity(self.profile, inst.mean_input_tokens, inst.mean_output_tokens, self.objective,
+                               self.cap(inst), arrivals=self.verify_arrivals,
+                               seeds=[self.seed + 1000 + i for i in range(seeds)], duration_s=VERIFY_DURATION_S)
 
-        inner = latency_capacity(self.profile, inst.mean_input_tokens, inst.mean_output_tokens, self.objective,
-                                 self.cap(inst), arrivals=self.verify_arrivals,
-                                 seeds=[self.seed + 1000 + i for i in range(seeds)], duration_s=VERIFY_DURATION_S)
-        return say_and_compute
+        def with_progress(slot_rank: int) -> float:  # the first call per rank class simulates (~10 s)
+            self.say(f"lower bound: the latency capacity of one GPU at --max-lora-rank {slot_rank}")
+            return row(slot_rank)
+
+        return with_progress
 
 
 # ---------------------------------------------------------------------------------------------------------
