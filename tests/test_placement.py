@@ -389,6 +389,29 @@ def test_repair_moves_the_last_added_adapters_to_another_gpu() -> None:
     assert all(g.verified.passed for g in plan.gpus) and plan.gpus[0].binding == "throughput"
 
 
+def test_repair_never_moves_adapters_onto_a_gpu_that_failed() -> None:
+    """No ping-pong: adapters cut off one failing GPU do not land on another GPU that failed earlier (two GPUs at
+    the edge passed each other's spill-over back and forth until the round limit: qwen-thr-r8-16-n512-x5)."""
+    from lorapack.placement.greedy import GpuFill
+    from lorapack.placement.verify import _rehome, verify_fills
+
+    inst = instance([1.0] * 12)
+    toy = ToyOracle(9.0)
+    fills = [GpuFill(entries=list(range(0, 4)), max_loras=4), GpuFill(entries=list(range(4, 8)), max_loras=4)]
+    verdicts = verify_fills(inst, LLAMA, fills, THR, toy)
+    assert all(v.passed for v in verdicts)
+    moved = [(8, 1.0), (9, 1.0)]
+    out, new = _rehome(inst, LLAMA, list(fills), verdicts, set(), moved, THR, toy, None, GreedyOptions())
+    assert new == 0 and out[0].entries == [0, 1, 2, 3, 8, 9]  # the least-loaded passing GPU takes them
+    changed: set[int] = set()
+    out, new = _rehome(inst, LLAMA, list(fills), verdicts, changed, moved, THR, toy, None, GreedyOptions(),
+                       exclude={0})
+    assert new == 0 and out[1].entries == [4, 5, 6, 7, 8, 9] and changed == {1}  # GPU 0 failed once: not a host
+    out, new = _rehome(inst, LLAMA, list(fills), verdicts, set(), moved, THR, toy, None, GreedyOptions(),
+                       exclude={0, 1})
+    assert new == 1 and sorted(out[2].entries) == [8, 9]  # a new GPU (the greedy orders them itself)
+
+
 def test_repair_bisects_with_the_verifier_where_the_probe_cannot_tell() -> None:
     # the probe (search oracle) is as lenient as the method's model (12 req/s), the verifier strict (6): the
     # probe passes every GPU the verifier fails, so the verifier decides the prefixes -- 4 adapters stay per

@@ -117,7 +117,9 @@ def repair(inst: Instance, profile: Profile, fills: list[GpuFill], objective: Ob
     mem = MemoryRule(profile)
     fills = list(fills)
     verdicts = verify_fills(inst, profile, fills, objective, verifier)
+    failed: set[int] = set()  # GPUs that failed verification once: never hosts of moved adapters (no ping-pong)
     while not all(v.passed for v in verdicts):
+        failed |= {i for i, v in enumerate(verdicts) if not v.passed}
         if log.rounds >= MAX_REPAIR_ROUNDS:
             bad = [i for i, v in enumerate(verdicts) if not v.passed]
             raise Infeasible(f"verification could not repair GPU(s) {', '.join(map(str, bad))} in "
@@ -169,7 +171,8 @@ def repair(inst: Instance, profile: Profile, fills: list[GpuFill], objective: Ob
             changed.add(gi)
         log.moved_entries += len(moved)
         if moved:
-            fills, new = _rehome(inst, profile, fills, verdicts, changed, moved, objective, probe, pool, options)
+            fills, new = _rehome(inst, profile, fills, verdicts, changed, moved, objective, probe, pool, options,
+                                 exclude=failed)
             log.added_gpus += new
             changed |= set(range(len(fills) - new, len(fills)))
         # verify the changed and new GPUs, keep the others' verdicts
@@ -205,12 +208,14 @@ def _longest_passing_prefix(inst: Instance, profile: Profile, f: GpuFill, shares
 
 def _rehome(inst: Instance, profile: Profile, fills: list[GpuFill], verdicts: list[Verdict], changed: set[int],
             moved: list[tuple[int, float]], objective: Objective, probe: Oracle, pool: int | None,
-            options: GreedyOptions) -> tuple[list[GpuFill], int]:
+            options: GreedyOptions, exclude: set[int] | frozenset[int] = frozenset()) -> tuple[list[GpuFill], int]:
     """Put moved entries on a passing GPU that takes them all (least loaded first; every passing GPU when the
-    pool is full, else only the least loaded), else on new GPUs from the greedy driver."""
+    pool is full, else only the least loaded; never one in ``changed`` or ``exclude``), else on new GPUs from the
+    greedy driver. ``changed`` gets the host."""
     load = [float((inst.rates_rps[f.entries] * np.asarray(f.extra.get("shares") or np.ones(len(f.entries)))).sum())
             for f in fills]
-    hosts = sorted((i for i, v in enumerate(verdicts) if v.passed and i not in changed), key=lambda i: (load[i], i))
+    hosts = sorted((i for i, v in enumerate(verdicts) if v.passed and i not in changed and i not in exclude),
+                   key=lambda i: (load[i], i))
     full = pool is not None and len(fills) >= pool
     for gi in hosts if full else hosts[:1]:
         f = fills[gi]
