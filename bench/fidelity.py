@@ -83,6 +83,9 @@ def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_eva
                    "refined": {k: v["refined"] for k, v in prov["free"].items()},
                    "ttft_overhead_ms": prov["frontend"]["ttft_overhead_ms"], "converged": prov["converged"],
                    "wall_s": time.perf_counter() - t0}
+        # each fold's scores as soon as they exist: a long run cut short still reports its finished folds
+        print(f"{tag}done in {held[g]['wall_s']:.0f} s: " + ", ".join(
+            f"{k} {scores[k]:.3g}" for k in KEYS if isinstance(scores.get(k), int | float)), file=sys.stderr, flush=True)
         all_rows += test
         all_preds += [t.prediction for t in table]
     return {"held_out": held, "pooled": score_runs(all_rows, all_preds)}
