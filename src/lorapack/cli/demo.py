@@ -150,7 +150,7 @@ def _print(entry: dict, main: str, written: list[str], wall: float, compile_s: f
     console.print(f"Lower bound: [bold]{entry['lower_bound_gpus']}[/bold] GPUs (no plan can use fewer). GPUs = the "
                   f"smallest pool whose replay is clean for the baselines (searched), the method's own count for "
                   f"{main} (verified by the twin). Clean = every GPU starts, none starved (< 90 % of its tokens "
-                  f"served), every mean TTFT <= 2 s.")
+                  f"served) and no adapter, every mean TTFT <= 2 s.")
     if written:
         console.print(f"{main}'s plan: [bold]{escape(str(written[0]))}[/bold] (with serve.sh and routes.json beside it).")
     console.print(f"Done in {wall:.1f} s (engine compile {compile_s:.1f} s, cached after the first run). "

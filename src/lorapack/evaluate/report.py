@@ -69,6 +69,9 @@ def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
     out["plans"] = len(planned)
     out["infeasible"] = [sc["name"] for sc in rows if sc["methods"][method].get("infeasible")]
     out["replay_not_clean"] = bad
+    # GPU-level clean (the acceptance's "0 starved GPUs") but one of its adapters starved: named separately
+    out["adapters_starved"] = [sc["name"] for sc in planned if sc["name"] not in bad
+                               and (sc["methods"][method].get("starved_adapters") or 0)]
     small = [sc for sc in planned if sc["n_adapters"] <= GAP_MAX_N]
     near = [sc for sc in small if _within_gap(sc["methods"][method].get("gpus_used"), sc["lower_bound_gpus"])]
     out["near_lower_bound"] = {"within": len(near), "of": len(small),
@@ -143,8 +146,8 @@ def _method_row(m: str, r: dict[str, Any]) -> list[str]:
             fmt(r.get("placement_ms"), 2), "–" if added is None else f"+{added}"]
 
 
-LEGEND = ("GPUs = smallest pool whose replay is clean (no refused GPU, none starved, every GPU within the latency "
-          "objective; searched for the pool methods, the method's own count for the greedy ones); `N!` = a plan "
+LEGEND = ("GPUs = smallest pool whose replay is clean (no refused GPU, no GPU and no adapter starved, every GPU "
+          "within the latency objective; searched for the pool methods, the method's own count for the greedy ones); `N!` = a plan "
           "whose replay is not clean (a greedy method's own plan, or any fixed-pool plan); `none` = no clean pool up "
           "to the search cap; `inf.` = the method declared the workload infeasible; `err.` = the method could not "
           "run; LB = lower bound with the N_max row (without it in parentheses when lower).\n")
@@ -175,6 +178,9 @@ def _method_summary(doc: dict[str, Any], method: str) -> str:
              + (f" (infeasible: {', '.join(a['infeasible'])})" if a["infeasible"] else "") + "."]
     clean = ("0 starved, 0 refused GPUs and no latency violation in every one" if not a["replay_not_clean"]
              else f"not clean in {len(a['replay_not_clean'])}: " + ", ".join(a["replay_not_clean"]))
+    if a["adapters_starved"]:
+        clean += (f"; adapters starved (their GPU not) in {len(a['adapters_starved'])}: "
+                  + ", ".join(a["adapters_starved"]))
     lines.append(f"- Replay of its plans: {clean}.")
     if near["of"]:
         lines.append(f"- Within {GAP_GPUS} GPU or {GAP_FRAC:.0%} of the lower bound on {near['within']} of "

@@ -5,7 +5,7 @@ Per (scenario, method):
 * **smallest pool** — a method that opens GPUs itself (``proposed*``) is placed once on an unbounded pool;
   its GPU count is its answer, replayed as is. A method that places onto a given number of GPUs starts from
   the count its own search returns (``gpus = None``), then the evaluation finds the smallest pool whose
-  replay is *clean* (no GPU refused, none starved, every GPU within the latency objective): one pool smaller
+  replay is *clean* (no GPU refused, no GPU or adapter starved, every GPU within the latency objective): one pool smaller
   if the start is clean (then bisection down to the lower bound), else doubling steps up to a cap and
   bisection back. ``gpus_used`` is the GPUs that plan uses;
 * **fixed pool** — where the scenario has ``fixed_pool`` and the lower bound fits in it, every method is
