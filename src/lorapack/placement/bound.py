@@ -184,7 +184,6 @@ def simulate_latency_capacity_tok_s(profile: Profile, slot_rank: int, mean_input
     """``L(S)`` by bisection on one adapter's rate (module docstring); ``top_tok_s`` if the top of the bracket
     already passes (no latency limit binds before starvation)."""
     from ..oracle import GpuCandidate, TwinOracle
-    from .oracles import _simulate_all
 
     tau = mean_input_tokens + mean_output_tokens
     plain = TwinOracle(seeds=tuple(seeds), duration_s=duration_s, early_stop=False, arrivals=arrivals)
@@ -193,8 +192,7 @@ def simulate_latency_capacity_tok_s(profile: Profile, slot_rank: int, mean_input
         cand = GpuCandidate(profile=profile, ranks=np.array([slot_rank]), rates_rps=np.array([rate_rps]),
                             max_loras=1, max_lora_rank=slot_rank, mean_input_tokens=mean_input_tokens,
                             mean_output_tokens=mean_output_tokens)
-        return any(objective.check(TwinOracle.aggregate(cand, _simulate_all([(plain, cand, s)], 1))) is None
-                   for s in seeds)
+        return any(objective.check(TwinOracle.aggregate(cand, [plain.simulate(cand, s)])) is None for s in seeds)
 
     top = top_tok_s / tau
     lo, hi = 0.0, top  # the top (11 % above saturation) is tested only if every lower load passes
