@@ -1,6 +1,7 @@
 """Twin fidelity on the real calibration runs: in-sample and leave-one-group-out (issue 3, twin.md §8.2).
 
 Usage: python bench/fidelity.py [--data-dir DIR] [--out bench/results/fidelity.json] [--seeds 1] [--no-logo]
+       [--model M] [--group GROUP]  (e.g. --group rank_32_rates_0.1_0.05_0.025: that fold only)
 
 * **in-sample**: the shipped profiles (``lorapack/profiles``) on every run of ``real-runs/calibration.csv``,
   rebuilt as ``lorapack validate`` does;
@@ -58,9 +59,15 @@ def _write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_evals: tuple[int, int],
-         workers: int, max_wall_s: float = DEFAULT_MAX_WALL_S) -> dict:
-    """Leave-one-group-out for one model: refine on two groups, score the third; plus the pooled scores."""
+         workers: int, max_wall_s: float = DEFAULT_MAX_WALL_S, only: list[str] | None = None) -> dict:
+    """Leave-one-group-out for one model: refine on two groups, score the third; plus the pooled scores (over
+    the held-out groups run: ``only`` restricts them)."""
     groups = sorted({run_group(r["run_id"]) for r in rows})
+    if only:
+        unknown = sorted(set(only) - set(groups))
+        if unknown:
+            raise SystemExit(f"--group {unknown[0]}: expected one of {', '.join(groups)}")
+        groups = [g for g in groups if g in only]
     anchors = lora_overhead_points(data_dir / "profiling", model)
     held: dict[str, dict] = {}
     all_rows: list[dict] = []
@@ -103,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="wall-time cap of each leave-one-group-out refinement")
     ap.add_argument("--no-logo", action="store_true", help="in-sample scores only")
     ap.add_argument("--model", action="append", choices=MODELS)
+    ap.add_argument("--group", action="append", help="leave-one-group-out: hold out only this group (repeatable)")
     args = ap.parse_args(argv)
     data_dir = args.data_dir or default_data_dir()
     runs_path = data_dir / CALIBRATION_CSV
@@ -128,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         result["in_sample"][model] = scores
         if not args.no_logo:
             result["leave_one_group_out"][model] = logo(data_dir, model, rows, seeds, max_evals, args.workers,
-                                                        args.max_minutes * 60.0)
+                                                        args.max_minutes * 60.0, args.group)
         del table
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".json.tmp")
