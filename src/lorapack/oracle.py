@@ -17,17 +17,24 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from .errors import SpecError
 from .profile import VLLM_LORA_RANKS, Profile
-from .spec import DEFAULT_MEAN_INPUT_TOKENS, DEFAULT_MEAN_OUTPUT_TOKENS
+from .spec import (
+    DEFAULT_MEAN_INPUT_TOKENS,
+    DEFAULT_MEAN_OUTPUT_TOKENS,
+    LognormalArrivals,
+    ModulatedArrivals,
+    PoissonArrivals,
+)
 from .twin.jitcache import cached_njit
 from .twin.metrics import RunMetrics
 
 NAN = float("nan")
+CandidateArrivals = PoissonArrivals | LognormalArrivals | ModulatedArrivals  # laws driven by per-adapter rates
 
 # Column order of ``features()``. The first seven are the paper's (placement.md §3.1); the rest are lorapack's:
 # the slot rank vLLM pads every slot to, the mean lengths (a model is valid only near its training lengths),
@@ -323,7 +330,7 @@ class TwinOracle(MemoryRuleOracle):
     seeds: tuple[int, ...] = (0,)
     duration_s: float = 3600.0
     early_stop: bool = True
-    arrivals: Any = None  # a spec.ArrivalsSpec of kind poisson / lognormal / modulated (None: Poisson)
+    arrivals: CandidateArrivals | None = None  # None: Poisson
     name: str = "twin"
     n_simulations: int = field(default=0, init=False)
     sim_wall_s: float = field(default=0.0, init=False)
@@ -390,7 +397,7 @@ class TwinOracle(MemoryRuleOracle):
 CANDIDATE_ARRIVALS = ("poisson", "lognormal", "modulated")
 
 
-def check_candidate_arrivals(arrivals: Any) -> None:
+def check_candidate_arrivals(arrivals: object) -> None:
     """A candidate's adapters are given by their rates: only per-adapter processes driven by a rate apply."""
     if arrivals is None:
         return
@@ -400,7 +407,7 @@ def check_candidate_arrivals(arrivals: Any) -> None:
                         f"{', '.join(CANDIDATE_ARRIVALS)} (a candidate GPU is given by its adapters' rates)")
 
 
-def candidate_workload(cand: GpuCandidate, duration_s: float, arrivals: Any = None):
+def candidate_workload(cand: GpuCandidate, duration_s: float, arrivals: CandidateArrivals | None = None):
     """The ``Workload`` the twin simulates for ``cand``: ``arrivals`` (default Poisson) at the candidate's
     rates, the profile's fitted length law."""
     from .spec import Adapter, LengthsSpec, PoissonArrivals, Workload

@@ -14,12 +14,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ..errors import SpecError
-from ..oracle import Oracle, Prediction, check_candidate_arrivals, default_slot_rank
+from ..oracle import CandidateArrivals, Oracle, Prediction, check_candidate_arrivals, default_slot_rank
 from ..profile import Profile
 from .baselines import (
     Assignment,
@@ -75,7 +74,7 @@ class Context:
     oracle: Oracle | None = None  # overrides the method's own oracle
     search_oracle: Oracle | None = None  # validates G in the smallest-pool search, picks round-robin's A
     verify_oracle: Oracle | None = None
-    verify_arrivals: Any = None  # the arrival law the verifier simulates (None: Poisson)
+    verify_arrivals: CandidateArrivals | None = None  # the arrival law the verifier simulates (None: Poisson)
     capacity: CapacityFn | None = None
     options: GreedyOptions = field(default_factory=GreedyOptions)
     progress: Progress | None = None
@@ -282,7 +281,7 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
           models_dir: Path | None = None, oracle: Oracle | None = None, search_oracle: Oracle | None = None,
           verify_oracle: Oracle | None = None, capacity: CapacityFn | None = None, validate_search: bool = True,
           workers: int | None = None, mean_input_tokens: float | None = None,
-          mean_output_tokens: float | None = None, verify_arrivals: Any = None,
+          mean_output_tokens: float | None = None, verify_arrivals: CandidateArrivals | None = None,
           latency_capacity: CapacityFn | None = None, latency_bound: bool = True,
           progress: Progress | None = None) -> Plan:
     """Place ``adapters`` (an ``Instance``, or a ``lorapack.spec.Workload``) with ``method``.
@@ -388,7 +387,7 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
     return plan
 
 
-def _law(arrivals: Any) -> dict:
+def _law(arrivals: CandidateArrivals | None) -> dict:
     """The verifier's arrival law as the plan records it (a long rate profile summarised)."""
     if arrivals is None:
         return {"kind": "poisson"}

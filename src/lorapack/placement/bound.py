@@ -37,12 +37,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ..errors import LorapackError
-from ..oracle import default_slot_rank
+from ..oracle import CandidateArrivals, default_slot_rank
 from ..profile import Profile
 from .greedy import N_MAX
 from .problem import STARVATION_RATIO, Instance, Objective
@@ -158,7 +157,8 @@ def _disk_cached(file: str, key_of: Callable[[int], str], compute: Callable[[int
 
 
 def latency_capacity(profile: Profile, mean_input_tokens: float, mean_output_tokens: float, objective: Objective,
-                     throughput_capacity: CapacityFn, arrivals: Any = None, seeds: Sequence[int] = (1000, 1001, 1002),
+                     throughput_capacity: CapacityFn, arrivals: CandidateArrivals | None = None,
+                     seeds: Sequence[int] = (1000, 1001, 1002),
                      duration_s: float = 3600.0, use_cache: bool = True) -> CapacityFn:
     """``S -> L(S)``, the latency row of the bound (module docstring), cached on disk. ``throughput_capacity``
     gives ``C(S)`` (the bracket's top); ``arrivals``, ``seeds`` and ``duration_s`` are the verifier's."""
@@ -180,7 +180,8 @@ def latency_capacity(profile: Profile, mean_input_tokens: float, mean_output_tok
 
 def simulate_latency_capacity_tok_s(profile: Profile, slot_rank: int, mean_input_tokens: float,
                                     mean_output_tokens: float, objective: Objective, top_tok_s: float,
-                                    arrivals: Any, seeds: Sequence[int], duration_s: float) -> float:
+                                    arrivals: CandidateArrivals | None, seeds: Sequence[int],
+                                    duration_s: float) -> float:
     """``L(S)`` by bisection on one adapter's rate (module docstring); ``top_tok_s`` if the top of the bracket
     already passes (no latency limit binds before starvation)."""
     from ..oracle import GpuCandidate, TwinOracle
