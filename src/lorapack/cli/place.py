@@ -181,7 +181,7 @@ def _objective_text(obj: dict) -> str:
 
 def _verify_law(choice: str, wl):
     """``--verify-arrivals``: the arrival law the verifier simulates (None: Poisson)."""
-    from ..placement.api import VERIFY_OWN_LAWS
+    from ..placement.api import workload_verify_law
     from ..spec import ModulatedArrivals
     from ..workload import load_trace
     from ..workload.derive import RATE_PROFILE_PERIOD_S, load_profile, trace_span_s
@@ -189,7 +189,7 @@ def _verify_law(choice: str, wl):
     if choice == "poisson":
         return None
     if choice == "workload":
-        return wl.arrivals if wl.arrivals.kind in VERIFY_OWN_LAWS else None
+        return workload_verify_law(wl)
     path = Path(choice)
     if not path.is_file():
         raise LorapackError(f"--verify-arrivals {choice}: expected 'workload', 'poisson' or an existing trace CSV")

@@ -23,8 +23,7 @@ from ..placement import (
     lower_bound,
     place,
 )
-from ..placement.api import DEFAULT_VERIFY_SEEDS, NMAX_METHODS, VERIFY_DURATION_S, VERIFY_OWN_LAWS
-from ..placement.bound import latency_capacity, twin_capacity
+from ..placement.api import DEFAULT_VERIFY_SEEDS, NMAX_METHODS, verification_latency_row, workload_verify_law
 from ..placement.plan import Plan
 from ..profile import Profile
 from ..spec import Workload
@@ -63,11 +62,8 @@ class PlacementPlacer:
         objective = placement_objective(req.objective, req.limits)
         lat = None
         if objective.limits():  # the latency row, simulated as placement's verification (its law and seeds)
-            law = workload.arrivals if workload.arrivals.kind in VERIFY_OWN_LAWS else None
-            lat = latency_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens, objective,
-                                   twin_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens),
-                                   arrivals=law, seeds=[req.seed + 1000 + i for i in range(DEFAULT_VERIFY_SEEDS)],
-                                   duration_s=VERIFY_DURATION_S)
+            lat = verification_latency_row(profile, inst, objective, workload_verify_law(workload), req.seed,
+                                           DEFAULT_VERIFY_SEEDS)
         b = lower_bound(inst, profile, latency_capacity=lat)
         return Bounds(gpus=int(b.gpus), gpus_no_nmax=int(b.gpus_no_nmax))
 

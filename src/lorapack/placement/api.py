@@ -105,7 +105,7 @@ class Context:
     def verifier(self, seeds: int) -> Oracle:
         if self.verify_oracle is not None:
             return self.verify_oracle
-        return ParallelTwinOracle(seeds=tuple(self.seed + 1000 + i for i in range(seeds)),
+        return ParallelTwinOracle(seeds=tuple(verify_seeds_of(self.seed, seeds)),
                                   duration_s=VERIFY_DURATION_S, early_stop=False, workers=self.workers,
                                   arrivals=self.verify_arrivals, name="twin-verify")
 
@@ -116,15 +116,36 @@ class Context:
 
     def lat_cap(self, inst: Instance, seeds: int) -> CapacityFn:
         """The bound's latency row ``L(S)``, simulated as the verifier would (its seeds, hour and arrivals)."""
-        row = latency_capacity(self.profile, inst.mean_input_tokens, inst.mean_output_tokens, self.objective,
-                               self.cap(inst), arrivals=self.verify_arrivals,
-                               seeds=[self.seed + 1000 + i for i in range(seeds)], duration_s=VERIFY_DURATION_S)
+        row = verification_latency_row(self.profile, inst, self.objective, self.verify_arrivals, self.seed, seeds,
+                                       self.cap(inst))
 
         def with_progress(slot_rank: int) -> float:  # the first call per rank class simulates (~10 s)
             self.say(f"lower bound: the latency capacity of one GPU at --max-lora-rank {slot_rank}")
             return row(slot_rank)
 
         return with_progress
+
+
+def verify_seeds_of(seed: int, n: int) -> list[int]:
+    """The verifier's seeds for a placement seed (apart from the method's own and the searches')."""
+    return [seed + 1000 + i for i in range(n)]
+
+
+def workload_verify_law(workload: object) -> CandidateArrivals | None:
+    """The arrival law verification adopts from a workload by default: its own when lognormal or modulated."""
+    arrivals = getattr(workload, "arrivals", None)
+    return arrivals if getattr(arrivals, "kind", None) in VERIFY_OWN_LAWS else None
+
+
+def verification_latency_row(profile: Profile, inst: Instance, objective: Objective,
+                             arrivals: CandidateArrivals | None, seed: int, verify_seeds: int,
+                             capacity: CapacityFn | None = None) -> CapacityFn:
+    """The bound's latency row ``L(S)`` for ``inst`` as ``place``'s verification simulates (``bound`` module)."""
+    if capacity is None:
+        capacity = twin_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens)
+    return latency_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens, objective, capacity,
+                            arrivals=arrivals, seeds=verify_seeds_of(seed, verify_seeds),
+                            duration_s=VERIFY_DURATION_S)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -306,8 +327,8 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
         raise SpecError(f"verify_seeds {verify_seeds}: expected a positive integer")
     if isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1:
         raise SpecError(f"n_max {n_max}: expected a positive integer")
-    if verify_arrivals is None and getattr(getattr(adapters, "arrivals", None), "kind", None) in VERIFY_OWN_LAWS:
-        verify_arrivals = adapters.arrivals
+    if verify_arrivals is None:
+        verify_arrivals = workload_verify_law(adapters)
     check_candidate_arrivals(verify_arrivals)
     inst = adapters if isinstance(adapters, Instance) else instance_from_workload(
         adapters, headroom=headroom, mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens)

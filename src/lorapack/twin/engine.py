@@ -420,17 +420,9 @@ def _schedule_running(lim, st):
 def _move_window_to_start(st):
     """Move the running list's window to slot 0 (its end reached the arrays' end)."""
     c = st.counters[0]
-    run = st.running
-    lo = c.running_lo
+    lo = _running_lo(st)
     for j in range(c.n_running):
-        run.request[j] = run.request[lo + j]
-        run.computed_tokens[j] = run.computed_tokens[lo + j]
-        run.output_tokens[j] = run.output_tokens[lo + j]
-        run.kv_blocks[j] = run.kv_blocks[lo + j]
-        run.prompt_tokens[j] = run.prompt_tokens[lo + j]
-        run.target_output_tokens[j] = run.target_output_tokens[lo + j]
-        run.adapter[j] = run.adapter[lo + j]
-        run.t_last_token_s[j] = run.t_last_token_s[lo + j]
+        _move_slot(st.running, j, lo + j)
     c.running_lo = 0
 
 
