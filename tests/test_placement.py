@@ -580,6 +580,58 @@ def test_verification_consolidates_a_pessimistic_learned_plan_with_the_twin() ->
     assert same.gpus_used == 4 and not same.verification["consolidated"]["accepted"]
 
 
+def test_consolidation_goes_beyond_n_max_only_when_n_max_is_soft() -> None:
+    # 500 light adapters: the greedy's testing points stop at 384 (2 GPUs); the verified consolidation deals all
+    # 500 onto one GPU, as round-robin would, and the plan is held to the bound without the N_max row
+    inst = instance(np.full(500, 0.01))
+    soft = place(inst, LLAMA, "proposed", objective=THR, **toy_kwargs(100.0))
+    assert soft.diagnostics["greedy_gpus"] == 2 and soft.gpus_used == 1 and len(soft.gpus[0].adapters) == 500
+    c = soft.verification["consolidated"]
+    assert c["accepted"] and (c["gpus_before"], c["gpus_after"]) == (2, 1) and c["beyond_n_max"] == [0]
+    assert soft.lower_bound_gpus == soft.lower_bound["gpus_no_nmax"] == 1 and not soft.settings["n_max_hard"]
+    # a given n_max is a hard cap for the greedy, the consolidation and the bound
+    hard = place(inst, LLAMA, "proposed", objective=THR, n_max=384, **toy_kwargs(100.0))
+    assert hard.gpus_used == 2 and max(len(g.adapters) for g in hard.gpus) <= 384
+    assert hard.lower_bound_gpus == hard.lower_bound["gpus"] == 2 and hard.settings["n_max_hard"]
+    # without verification there is no consolidation: the greedy's plan
+    raw = place(inst, LLAMA, "proposed", objective=THR, verify=False, **toy_kwargs(100.0))
+    assert raw.gpus_used == 2 and raw.lower_bound_gpus == 1
+
+
+class _Picky(ToyOracle):
+    """A verifier that fails any GPU hosting both a000 and a001 (a pair the greedy keeps together)."""
+
+    def predict(self, cands):
+        import dataclasses
+
+        return [dataclasses.replace(p, starved=1.0) if {0.61, 0.62} <= {round(float(x), 2) for x in c.rates_rps}
+                else p for c, p in zip(cands, super().predict(cands), strict=True)]
+
+
+def test_consolidation_tries_other_arrangements_than_the_greedys_and_keeps_only_verified_ones() -> None:
+    # rates 0.62, 0.61 and 21 x 0.4 (9.63 req/s) on GPUs of 5 req/s: the greedy needs 3 GPUs, the verifier fails
+    # the one holding 0.62 and 0.61 together and repair opens a 4th; the consolidation then tries 3 GPUs (the
+    # balanced dealing passes), then 2: the dealings overload a GPU (5.02 req/s), dLoRA's replicas of the
+    # hottest adapter fit and pass verification
+    inst = instance(np.array([0.62, 0.61] + [0.4] * 21))
+    toy, picky = ToyOracle(5.0), _Picky(5.0)
+    plan = place(inst, LLAMA, "proposed", objective=THR, oracle=toy, search_oracle=toy, verify_oracle=picky,
+                 capacity=toy_capacity(5.0), workers=1)
+    c = plan.verification["consolidated"]
+    assert plan.diagnostics["greedy_gpus"] == 3 and plan.verification["gpus_added"] == 1
+    assert c["accepted"] and (c["gpus_before"], c["gpus_after"]) == (4, 2) and c["origin"] == "dlora"
+    assert [(t["gpus"], t["origin"], t["passed"]) for t in c["tried"]][-1] == (2, "dlora", True)
+    assert plan.gpus_used == 2 and all(g.verified.passed for g in plan.gpus)
+    weight: dict[str, float] = {}
+    for g in plan.gpus:
+        for a, w in zip(g.adapters, g.weights, strict=True):
+            weight[a] = weight.get(a, 0.0) + w / float(inst.weights[inst.adapter_ids.index(a)])
+    assert sorted(weight) == sorted(inst.adapter_ids) and all(abs(w - 1.0) < 1e-9 for w in weight.values())
+    # a verifier that agrees with the greedy: nothing added, nothing to consolidate below the bound
+    calm = place(inst, LLAMA, "proposed", objective=THR, **toy_kwargs(5.0))
+    assert calm.verification["gpus_added"] == 0 and calm.gpus_used <= 3
+
+
 def test_twin_runs_on_the_kept_executor_answer_as_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """proposed-exact's twin runs: in-process while workers would not pay for themselves, else on
     ``lorapack.executor``'s spawned workers, kept across calls; the same answers either way, in job order."""

@@ -76,7 +76,10 @@ def place(
     split_hot: Annotated[bool, typer.Option(
         "--split-hot", help="Split adapters too hot for one GPU into weighted replicas on several GPUs.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of every simulation (plans are deterministic per seed).")] = 0,
-    n_max: Annotated[int, typer.Option("--n-max", help="Most adapters per GPU for the proposed methods.")] = 384,
+    n_max: Annotated[int | None, typer.Option(
+        "--n-max", help="Hard cap on adapters per GPU for the proposed methods. Default: the greedy stops at "
+                        "384 (the measured range) and only a twin-verified plan on fewer GPUs goes beyond.")
+    ] = None,
     mean_input_tokens: Annotated[float | None, typer.Option(help="Override the mean prompt tokens.")] = None,
     mean_output_tokens: Annotated[float | None, typer.Option(help="Override the mean output tokens.")] = None,
     workers: Annotated[int | None, typer.Option(help="Worker processes for twin runs (0 = all cores; default: "
@@ -101,6 +104,8 @@ def place(
     check_method(method)
     if verify_seeds < 1:
         raise LorapackError(f"--verify-seeds {verify_seeds}: expected an integer >= 1")
+    if n_max is not None and n_max < 1:
+        raise LorapackError(f"--n-max {n_max}: expected an integer >= 1")
     limits = {"max_itl_ms": max_itl_ms, "max_ttft_p99_s": max_ttft_p99_s, "max_itl_p99_ms": max_itl_p99_ms}
     if objective is ObjectiveKind.latency:
         obj = Objective(max_ttft_s=2.0 if max_ttft_s is None else max_ttft_s, **limits)

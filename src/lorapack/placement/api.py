@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -31,7 +31,18 @@ from .baselines import (
     shares_of,
 )
 from .bound import CapacityFn, LowerBound, latency_capacity, lower_bound, twin_capacity
-from .greedy import N_MAX, GpuFill, GreedyOptions, Infeasible, balanced_plan, greedy_fill, rebalance
+from .greedy import (
+    N_MAX,
+    GpuFill,
+    GreedyOptions,
+    Infeasible,
+    balanced_plan,
+    deal_balanced,
+    deal_round_robin,
+    fit_slots_lazy,
+    greedy_fill,
+    rebalance,
+)
 from .oracles import ParallelTwinOracle, default_workers, exact_oracle, learned_oracle
 from .plan import GpuMetrics, GpuPlan, Plan
 from .problem import DEFAULT_HEADROOM, Instance, Objective, instance_from_workload, split_entries
@@ -44,7 +55,9 @@ METHODS = GREEDY_METHODS + POOL_METHODS
 # which oracle a method asks: learned models (kind for lorapack.surrogate.load_oracle) or the twin
 METHOD_ORACLE = {"proposed": "surrogate", "proposed-fast": "tree", "proposed-exact": "twin",
                  "proposed-lat": "surrogate"}
-# methods that keep at most N_max adapters per GPU; the others are compared with the bound without that row
+# methods that keep at most N_max adapters per GPU when ``n_max`` is given (a hard cap); with the default (soft:
+# the greedy's testing points stop at N_MAX, the twin-verified consolidation may go beyond) and for the pool
+# methods the bound is the one without that row
 NMAX_METHODS = GREEDY_METHODS
 DEFAULT_VERIFY_SEEDS = 3
 VERIFY_DURATION_S = 3600.0
@@ -298,7 +311,7 @@ def build_plan(method: str, inst: Instance, profile: Profile, fills: list[GpuFil
 
 def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | None = None,
           objective: Objective | None = None, headroom: float = DEFAULT_HEADROOM, verify: bool = True,
-          verify_seeds: int = DEFAULT_VERIFY_SEEDS, seed: int = 0, split_hot: bool = False, n_max: int = N_MAX,
+          verify_seeds: int = DEFAULT_VERIFY_SEEDS, seed: int = 0, split_hot: bool = False, n_max: int | None = None,
           models_dir: Path | None = None, oracle: Oracle | None = None, search_oracle: Oracle | None = None,
           verify_oracle: Oracle | None = None, capacity: CapacityFn | None = None, validate_search: bool = True,
           workers: int | None = None, mean_input_tokens: float | None = None,
@@ -318,6 +331,12 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
     verifier and ``capacity`` the bound's ``C(S)`` (toy oracles in tests). Under an objective with latency limits
     the bound has a latency row ``L(S)`` (``bound`` module; ``latency_capacity`` replaces it, ``latency_bound=False``
     drops it). Deterministic for a given seed.
+
+    ``n_max``: None (default) = soft: the greedy's testing points stop at ``N_MAX`` (384, the most adapters per
+    GPU in the real runs and the learned models' training data), and after verification the greedy methods try
+    plans on fewer GPUs judged by the twin (``_consolidate``), which may put more adapters on a GPU -- as the
+    pool baselines may; the plan's bound is then the one without the N_max row. An integer is a hard cap for
+    the greedy, the consolidation and the bound alike.
     """
     check_method(method)
     objective = objective if objective is not None else Objective()
@@ -325,8 +344,10 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
         raise SpecError(f"--gpus {gpus}: expected a positive integer")
     if not isinstance(verify_seeds, int) or verify_seeds < 1:
         raise SpecError(f"verify_seeds {verify_seeds}: expected a positive integer")
-    if isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1:
+    if n_max is not None and (isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1):
         raise SpecError(f"n_max {n_max}: expected a positive integer")
+    hard_n_max = n_max is not None
+    n_max = N_MAX if n_max is None else n_max
     if verify_arrivals is None:
         verify_arrivals = workload_verify_law(adapters)
     check_candidate_arrivals(verify_arrivals)
@@ -339,6 +360,7 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
                   options=GreedyOptions(n_max=n_max), progress=progress)
     settings = {"objective": objective.to_dict(), "headroom": inst.headroom, "seed": int(seed), "pool": gpus,
                 "verify": verify, "verify_seeds": verify_seeds if verify else 0, "n_max": n_max,
+                "n_max_hard": hard_n_max,
                 "verify_arrivals": _law(verify_arrivals) if verify else None,
                 "split_hot": split_hot, "mean_input_tokens": inst.mean_input_tokens,
                 "mean_output_tokens": inst.mean_output_tokens,
@@ -389,9 +411,10 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
                                placement_ms=placement_ms, verification_ms=(time.perf_counter() - t1) * 1e3)
         fills = _normalise(inst, fills)
         consolidated = None
-        # a learned method's plan (the same test as the twin's confirmation in the greedy: a learned oracle)
-        if method in GREEDY_METHODS and ctx.options.rebalance and getattr(ctx.method_oracle(method), "learned", False):
-            fills, verdicts, consolidated = _consolidate(inst, ctx, fills, verdicts, verifier, bound)
+        if method in GREEDY_METHODS and ctx.options.rebalance:
+            floor = bound.gpus if hard_n_max else bound.gpus_no_nmax
+            limit = n_max if hard_n_max else inst.n
+            fills, verdicts, consolidated = _consolidate(inst, ctx, fills, verdicts, verifier, floor, limit)
         verification_ms = (time.perf_counter() - t1) * 1e3
         verification = _verification_dict(verifier, verify_seeds, before, fills, verdicts, log)
         if consolidated is not None:
@@ -400,7 +423,7 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
     plan = build_plan(method, inst, profile, fills, verdicts)
     plan.placement_ms = placement_ms
     plan.verification_ms = verification_ms
-    plan.lower_bound_gpus = bound.gpus if method in NMAX_METHODS else bound.gpus_no_nmax
+    plan.lower_bound_gpus = method_lower_bound(method, bound, hard_n_max)
     plan.lower_bound = bound.to_dict()
     plan.settings = settings
     plan.verification = verification
@@ -419,30 +442,71 @@ def _law(arrivals: CandidateArrivals | None) -> dict:
     return d
 
 
+def method_lower_bound(method: str, bound: LowerBound, hard_n_max: bool) -> int:
+    """The bound a method's plan is held to: with the N_max row only where the method keeps that cap."""
+    return bound.gpus if method in NMAX_METHODS and hard_n_max else bound.gpus_no_nmax
+
+
+def _consolidation_candidates(inst: Instance, ctx: Context, gpus: int, options: GreedyOptions
+                              ) -> Iterator[tuple[str, list[GpuFill]]]:
+    """Plans on ``gpus`` GPUs that the search twin (one seed, early termination) accepts, cheapest first: the
+    balanced and round-robin dealings with each GPU's ``A`` chosen by the TEST (as ``rebalance``), then what the
+    LoRAServe and dLoRA baselines would deploy on that pool (their fractional replicas / all adapters resident)."""
+    if -(-inst.n // gpus) <= options.n_max:
+        hosts_by = (("balanced", deal_balanced(inst.rates_rps, gpus)), ("round-robin", deal_round_robin(inst.n, gpus)))
+        for name, hosts in hosts_by:
+            fills = fit_slots_lazy(inst, ctx.profile, ctx.twin(), ctx.objective, hosts, options)
+            if fills is not None:
+                yield name, fills
+    for name in ("loraserve", "dlora"):
+        a = assign(name, inst, ctx, gpus)
+        if a.accepted and max(len(f.entries) for f in a.gpus) <= options.n_max and \
+                gpus_pass(inst, ctx, a, ctx.twin()):
+            yield name, a.gpus
+
+
+def _plan_key(fills: list[GpuFill]) -> frozenset:
+    """A plan up to the order of its GPUs and of the adapters on each (what verification's outcome depends on)."""
+    return frozenset((tuple(sorted(zip(f.entries, [round(x, 9) for x in shares_of(f)], strict=True))), f.max_loras)
+                     for f in fills)
+
+
 def _consolidate(inst: Instance, ctx: Context, fills: list[GpuFill], verdicts: list[Verdict], verifier: Oracle,
-                 bound: LowerBound) -> tuple[list[GpuFill], list[Verdict], dict]:
-    """After a learned method's plan passed verification: balanced plans on fewer GPUs judged by the twin
-    (``rebalance`` with ``ctx.twin()``: one GPU less first, which usually fails on its first GPU and ends it);
-    a smaller plan replaces the verified one only if it passes the same verification. A learned model that is
-    pessimistic (a latency prediction a little high) thus does not cost a GPU the twin shows is not needed --
-    the same twin that validates the pool methods' smallest pools."""
+                 floor: int, n_max: int) -> tuple[list[GpuFill], list[Verdict], dict]:
+    """After a greedy plan passed verification: plans on fewer GPUs (one less at a time, never below ``floor``),
+    each candidate screened by the search twin and kept only if it passes the same verification. The greedy
+    commits GPU by GPU on its oracle's word and repair adds a GPU where verification disagrees; a different
+    arrangement of the same adapters on fewer GPUs -- balanced, or a baseline's -- may pass where the greedy's
+    did not, and a plan then never needs more GPUs than one a baseline would deploy and our verifier accepts.
+    ``n_max``: the most adapters a candidate may put on one GPU."""
     from .verify import verify_fills
 
-    info = {"gpus_before": len(fills), "gpus_after": len(fills), "accepted": False}
-    if len(fills) <= max(1, bound.gpus):
-        return fills, verdicts, info
-    ctx.say(f"trying to consolidate {len(fills)} GPUs with the twin")
-    smaller, origin = rebalance(inst, ctx.profile, ctx.twin(), ctx.objective, fills, ctx.options,
-                                min_gpus=bound.gpus)
-    if len(smaller) >= len(fills):
-        return fills, verdicts, info
-    smaller = _normalise(inst, smaller)
-    fresh = verify_fills(inst, ctx.profile, smaller, ctx.objective, verifier)
-    info["verified_gpus"] = len(smaller)
-    if not all(v.passed for v in fresh):
-        return fills, verdicts, info
-    info.update(gpus_after=len(smaller), accepted=True, origin=origin)
-    return smaller, fresh, info
+    info: dict = {"gpus_before": len(fills), "gpus_after": len(fills), "accepted": False, "tried": []}
+    options = replace(ctx.options, n_max=n_max)
+    seen: set = set()
+    while len(fills) > max(1, floor):
+        g = len(fills) - 1
+        ctx.say(f"trying to consolidate onto {g} GPU{'s' if g != 1 else ''} (verified by the twin)")
+        found = None
+        for origin, cand in _consolidation_candidates(inst, ctx, g, options):
+            cand = _normalise(inst, cand)
+            key = _plan_key(cand)
+            if key in seen:  # e.g. every dealing of the adapters onto one GPU with the same A
+                continue
+            seen.add(key)
+            fresh = verify_fills(inst, ctx.profile, cand, ctx.objective, verifier)
+            ok = all(v.passed for v in fresh)
+            info["tried"].append({"gpus": g, "origin": origin, "passed": ok})
+            if ok:
+                found = (cand, fresh, origin)
+                break
+        if found is None:
+            break
+        fills, verdicts, info["origin"] = found
+        info.update(gpus_after=len(fills), accepted=True)
+    if info["accepted"]:
+        info["beyond_n_max"] = [i for i, f in enumerate(fills) if len(f.entries) > N_MAX]
+    return fills, verdicts, info
 
 
 def _hot_message(bound: LowerBound, inst: Instance) -> str:
@@ -459,7 +523,7 @@ def _hot_message(bound: LowerBound, inst: Instance) -> str:
 def _infeasible(method: str, profile: Profile, settings: dict, bound: LowerBound, diagnostics: dict, reason: str,
                 hot=(), placement_ms: float = math.nan, verification_ms: float = math.nan) -> Plan:
     return Plan(method=method, model=profile.model, gpu_type=profile.gpu, gpus=[], infeasible=True, reason=reason,
-                lower_bound_gpus=bound.gpus if method in NMAX_METHODS else bound.gpus_no_nmax,
+                lower_bound_gpus=method_lower_bound(method, bound, settings.get("n_max_hard", True)),
                 lower_bound=bound.to_dict(), settings=settings,
                 diagnostics={**diagnostics, "hot_adapters": list(hot)}, placement_ms=placement_ms,
                 verification_ms=verification_ms)
