@@ -63,6 +63,9 @@ class ToyPlacer:
     def method_bound(self, method: str, bounds: Bounds) -> int:
         return bounds.gpus if method in self.pack else bounds.gpus_no_nmax
 
+    def verify(self, workload, profile, req, plan) -> dict | None:
+        return None  # the toy has no verifier
+
     def _gpu(self, workload, ids: list[str], profile) -> GpuPlan:
         ranks = [a.rank for a in workload.adapters if a.adapter_id in set(ids)]
         return GpuPlan(adapters=ids, weights=[1.0] * len(ids), max_loras=min(self.slots, len(ids)),

@@ -397,6 +397,46 @@ def test_real_placement_methods_on_a_small_scenario(tmp_path, trace_file):
         assert r["starved_gpus"] == 0 and r["oom_gpus"] == 0
 
 
+class _CautiousPack(ToyPlacer):
+    """toy-pack fills GPUs to a tenth of the capacity (many GPUs); its verifier fails any GPU above half of it."""
+
+    def place(self, workload, profile, req):
+        if req.method not in self.pack:
+            return super().place(workload, profile, req)
+        full, self.capacity = self.capacity, self.capacity / 10
+        try:
+            return super().place(workload, profile, req)
+        finally:
+            self.capacity = full
+
+    def verify(self, workload, profile, req, plan):
+        self.verified.append((req.method, plan.method, plan.gpus_used))
+        rate = {a.adapter_id: a.rate_rps for a in workload.adapters}
+        tau = self._tau(workload)
+        bad = [g for g, gp in enumerate(plan.gpus) if sum(rate[a] for a in gp.adapters) * tau > self.capacity / 2]
+        return {"passed": not bad, "failed_gpus": len(bad), "details": [f"GPU {g}: throughput" for g in bad]}
+
+
+def test_a_baseline_pool_smaller_than_the_verified_plan_is_judged_by_the_same_verification(tmp_path, trace_file):
+    sc = load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: 24\nload_scale: 6\nmax_pack: false\n"
+                                                             "objective: throughput\n"))
+    toy = _CautiousPack()
+    toy.verified = []
+    doc = evaluate_scenarios(sc, toy, methods=("toy-pack", "toy-deal"))
+    res = doc["scenarios"][0]["methods"]
+    assert res["toy-deal"]["gpus_used"] < res["toy-pack"]["gpus_used"]
+    pv = res["toy-deal"]["proposed_verification"]
+    assert toy.verified == [("toy-deal", "toy-deal", res["toy-deal"]["gpus_used"])]
+    assert set(pv) == {"passed", "failed_gpus", "details"} and len(pv["details"]) == pv["failed_gpus"]
+    assert "proposed_verification" not in res["toy-pack"]
+    # a scenario without verification: nothing to compare with
+    sc2 = load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: 24\nload_scale: 6\nmax_pack: false\n"
+                                                              "objective: throughput\nverify: false\n"))
+    toy.verified = []
+    doc = evaluate_scenarios(sc2, toy, methods=("toy-pack", "toy-deal"))
+    assert toy.verified == [] and "proposed_verification" not in doc["scenarios"][0]["methods"]["toy-deal"]
+
+
 def test_demo_with_a_toy_placer(tmp_path, monkeypatch, capsys, data_dir):
     import lorapack.evaluate.placers as methods
     from data_helpers import run_main

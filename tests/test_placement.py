@@ -632,6 +632,25 @@ def test_consolidation_tries_other_arrangements_than_the_greedys_and_keeps_only_
     assert calm.verification["gpus_added"] == 0 and calm.gpus_used <= 3
 
 
+def test_verify_plan_judges_another_methods_plan_as_place_verifies() -> None:
+    from lorapack.placement.api import verify_plan
+
+    inst = instance(np.full(24, 0.5))  # 12 req/s, GPUs of 5 req/s
+    for method in ("dlora", "loraserve", "round-robin"):
+        plan = place(inst, LLAMA, method, objective=THR, **toy_kwargs(5.0))
+        verdicts = verify_plan(plan, inst, LLAMA, objective=THR, verify_oracle=ToyOracle(5.0))
+        assert len(verdicts) == plan.gpus_used and all(v.passed for v in verdicts), method
+        # the same plan against a verifier that expects less of a GPU
+        assert not all(v.passed for v in verify_plan(plan, inst, LLAMA, objective=THR,
+                                                     verify_oracle=ToyOracle(2.0)))
+    lumped = place(inst, LLAMA, "least-adapters", gpus=1, objective=THR, verify=False, **toy_kwargs(5.0))
+    (v,) = verify_plan(lumped, inst, LLAMA, objective=THR, verify_oracle=ToyOracle(5.0))
+    assert not v.passed and v.reason == "throughput"
+    other = instance(np.full(3, 0.5), ids=["x", "y", "z"])
+    with pytest.raises(SpecError, match="does not have"):
+        verify_plan(lumped, other, LLAMA, verify_oracle=ToyOracle(5.0))
+
+
 def test_twin_runs_on_the_kept_executor_answer_as_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """proposed-exact's twin runs: in-process while workers would not pay for themselves, else on
     ``lorapack.executor``'s spawned workers, kept across calls; the same answers either way, in job order."""

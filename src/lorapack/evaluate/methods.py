@@ -64,3 +64,8 @@ class Placer(Protocol):
     def place(self, workload: Workload, profile: Profile, req: PlaceRequest) -> Plan:
         """A plan (``infeasible`` set when the method declares the workload infeasible on the pool)."""
         ...
+
+    def verify(self, workload: Workload, profile: Profile, req: PlaceRequest, plan: Plan) -> dict | None:
+        """``plan`` (another method's) judged by the verification ``req.method``'s plans get: ``{"passed",
+        "failed_gpus", "details"}``; None when the placer has no verifier."""
+        ...

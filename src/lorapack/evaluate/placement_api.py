@@ -23,7 +23,7 @@ from ..placement import (
     lower_bound,
     place,
 )
-from ..placement.api import DEFAULT_VERIFY_SEEDS, verification_latency_row, workload_verify_law
+from ..placement.api import DEFAULT_VERIFY_SEEDS, verification_latency_row, verify_plan, workload_verify_law
 from ..placement.plan import Plan
 from ..profile import Profile
 from ..spec import Workload
@@ -69,6 +69,14 @@ class PlacementPlacer:
 
     def method_bound(self, method: str, bounds: Bounds) -> int:
         return bounds.gpus_no_nmax  # the soft n_max of place(): see the module docstring
+
+    def verify(self, workload: Workload, profile: Profile, req: PlaceRequest, plan: Plan) -> dict | None:
+        verdicts = verify_plan(plan, workload, profile, objective=placement_objective(req.objective, req.limits),
+                               headroom=DEFAULT_HEADROOM if req.headroom is None else req.headroom, seed=req.seed,
+                               workers=self.workers)
+        bad = [(g, v) for g, v in enumerate(verdicts) if not v.passed]
+        return {"passed": not bad, "failed_gpus": len(bad),
+                "details": [f"GPU {g}: {v.reason}: {v.detail}" for g, v in bad]}
 
     def place(self, workload: Workload, profile: Profile, req: PlaceRequest) -> Plan:
         return place(workload, profile, req.method, gpus=req.gpus,

@@ -213,6 +213,25 @@ def run_method(placer: Placer, ctx: Context, sc: Scenario, method: str, objectiv
     return out
 
 
+def _cross_verify(placer: Placer, ctx: Context, sc: Scenario, results: dict[str, dict]) -> None:
+    """A pool method whose smallest replay-clean pool is smaller than every verified method's plan: its plan
+    judged by the verification those plans had to pass (same seeds, hour, arrival law, headroom) --
+    ``proposed_verification`` {passed, failed_gpus, details}. Says whether the smaller pool is one the verified
+    method could have accepted, or one that passed the single replay window only."""
+    if not sc.verify:
+        return
+    own = [r["gpus_used"] for m, r in results.items() if placer.sizes_itself(m) and r.get("gpus_used")]
+    if not own:
+        return
+    for m, r in results.items():
+        plan = ctx.plans.get(f"{m}/smallest")
+        if placer.sizes_itself(m) or plan is None or not r.get("gpus_used") or r["gpus_used"] >= min(own):
+            continue
+        res = placer.verify(_workload(ctx, sc), ctx.profile, _request(sc, m, None), plan)
+        if res is not None:
+            r["proposed_verification"] = res
+
+
 def _num(x: Any) -> Any:
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
@@ -291,6 +310,7 @@ def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple
             entry["methods"][m] = res
             if on_step:
                 on_step(f"{sc.name}: {m}", 1)
+        _cross_verify(placer, ctx, sc, entry["methods"])
         if sc.max_pack and first_of_workload:
             if budget.spent():
                 budget.skipped.append({"scenario": sc.name, "methods": [], "what": "max_pack"})

@@ -431,6 +431,38 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
     return plan
 
 
+def verify_plan(plan: Plan, adapters, profile: Profile, *, objective: Objective | None = None,
+                headroom: float = DEFAULT_HEADROOM, verify_seeds: int = DEFAULT_VERIFY_SEEDS, seed: int = 0,
+                verify_arrivals: CandidateArrivals | None = None, workers: int | None = None,
+                verify_oracle: Oracle | None = None) -> list[Verdict]:
+    """Any method's plan judged by ``place()``'s verification with the same settings (seeds, hour, arrival law,
+    objective, rates x (1 + headroom)): a baseline's plan, say, compared with a proposed plan on equal terms.
+    One verdict per GPU of the plan (its adapters at their routing weights, its ``--max-loras``);
+    ``verify_oracle`` replaces the twin (toy oracles in tests)."""
+    objective = objective if objective is not None else Objective()
+    if verify_arrivals is None:
+        verify_arrivals = workload_verify_law(adapters)
+    check_candidate_arrivals(verify_arrivals)
+    inst = adapters if isinstance(adapters, Instance) else instance_from_workload(adapters, headroom=headroom)
+    entry = {a: i for i, a in enumerate(inst.adapter_ids)}
+    fills = []
+    for g in plan.gpus:
+        missing = [a for a in g.adapters if a not in entry]
+        if missing:
+            raise SpecError(f"plan GPU hosts adapter '{missing[0]}' that the workload does not have")
+        f = GpuFill(entries=[entry[a] for a in g.adapters], max_loras=int(g.max_loras))
+        shares = [float(w) / float(inst.weights[entry[a]]) for a, w in zip(g.adapters, g.weights, strict=True)]
+        if any(abs(x - 1.0) > 1e-12 for x in shares):
+            f.extra["shares"] = shares
+        fills.append(f)
+    ctx = Context(profile=profile, objective=objective, seed=int(seed),
+                  workers=default_workers() if workers is None else int(workers), verify_arrivals=verify_arrivals,
+                  verify_oracle=verify_oracle)
+    from .verify import verify_fills
+
+    return verify_fills(inst, profile, fills, objective, ctx.verifier(verify_seeds))
+
+
 def _law(arrivals: CandidateArrivals | None) -> dict:
     """The verifier's arrival law as the plan records it (a long rate profile summarised)."""
     if arrivals is None:
