@@ -104,6 +104,7 @@ def test_bad_workloads_exit_2_with_one_line_and_write_nothing(tmp_path, monkeypa
     (("--out", "FILE"), "not a directory"),
     (("--out", "missing/deeper"), "does not exist"),
     (("--verify-arrivals", "nope.csv"), "--verify-arrivals nope.csv: expected 'workload', 'poisson' or an existing"),
+    (("--n-max", "0"), "--n-max 0"),
 ])
 def test_bad_options_exit_2_before_any_work(tmp_path, monkeypatch, capsys, args, match) -> None:
     (tmp_path / "FILE").write_text("x")
@@ -132,6 +133,25 @@ def test_a_pool_too_small_says_how_many_gpus_are_needed(tmp_path, monkeypatch, c
                                  "--gpus", "1", "--out", tmp_path / "out")
     assert code == 2 and "needs at least" in err and "1 given" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_more_adapters_than_n_max_on_a_gpu_only_after_verification_and_said_so(tmp_path, monkeypatch, capsys
+                                                                                 ) -> None:
+    # 400 light adapters (0.8 req/s in all): the greedy stops at 384 per GPU, the verified consolidation puts
+    # them on one GPU and the output warns that the twin extrapolates; --n-max 384 keeps two GPUs
+    wl = _csv(tmp_path, "".join(f"a{i},8,0.002,\n" for i in range(400)))
+    args = ("place", wl, "--model", LLAMA, "--method", "proposed-exact", "--verify-seeds", "1", "--headroom", "0")
+    code, stdout, err = run_main(monkeypatch, capsys, *args, "--out", tmp_path / "soft")
+    assert code == 0, err
+    plan = json.loads((tmp_path / "soft" / "plan.json").read_text())
+    assert plan["gpus_used"] == 1 and len(plan["gpus"][0]["adapters"]) == 400
+    assert plan["verification"]["consolidated"]["accepted"] and plan["lower_bound_gpus"] == 1
+    assert "consolidated from 2 to 1 GPUs" in stdout and "host more than 384 adapters" in stdout
+    code, stdout, err = run_main(monkeypatch, capsys, *args, "--n-max", "384", "--out", tmp_path / "hard", "--json")
+    assert code == 0, err
+    plan = json.loads(stdout)
+    assert plan["gpus_used"] == plan["lower_bound_gpus"] == 2 and plan["settings"]["n_max_hard"]
+    assert max(len(g["adapters"]) for g in plan["gpus"]) <= 384
 
 
 def test_help_states_the_defaults() -> None:

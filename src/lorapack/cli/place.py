@@ -143,6 +143,8 @@ def place(
 
 
 def _render(plan, files: list[Path]) -> None:
+    from ..placement import N_MAX
+
     # fits 80 columns: headers on two lines, the two vLLM flags in one column (values "A / S"), one space apart
     t = Table(title=f"{plan.method}: {plan.gpus_used} GPU(s) for {sum(len(g.adapters) for g in plan.gpus)} "
                     f"adapter placements ({plan.model} on {plan.gpu_type})", title_justify="left",
@@ -171,6 +173,14 @@ def _render(plan, files: list[Path]) -> None:
         f"{1 + plan.settings['headroom']:g} (--headroom {plan.settings['headroom']:g})",
         "wrote " + ", ".join(str(f) for f in files),
     ]
+    c = v.get("consolidated") if v else None
+    if c and c.get("accepted"):
+        lines.insert(2, f"consolidated from {c['gpus_before']} to {c['gpus_after']} GPUs ({c.get('origin')} "
+                        f"arrangement, verified like the rest)")
+    beyond = [i for i, g in enumerate(plan.gpus) if len(g.adapters) > N_MAX]
+    if beyond:
+        lines.insert(2, f"[yellow]GPU(s) {', '.join(map(str, beyond))} host more than {N_MAX} adapters, beyond the "
+                        f"real runs: the twin extrapolates there (--n-max {N_MAX} forbids it)[/yellow]")
     for line in lines:
         console.print(line, highlight=False)
 
