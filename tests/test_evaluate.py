@@ -508,3 +508,26 @@ def test_jobs_give_the_same_results(tmp_path, trace_file, monkeypatch, capsys):
             for r in s["methods"].values():
                 r.pop("placement_ms")
     assert docs[0]["scenarios"] == docs[1]["scenarios"] and len(docs[0]["scenarios"]) == 4
+
+
+def test_the_report_says_whether_a_smaller_baseline_plan_passes_our_verification():
+    from lorapack.evaluate.report import acceptance, summary_markdown
+
+    def sc(name: str, pv: dict | None) -> dict:
+        lora = {"gpus_used": 3, "gpus_used_fixed_pool": None}
+        if pv is not None:
+            lora["proposed_verification"] = pv
+        return {"name": name, "n_adapters": 64, "lower_bound_gpus": 3,
+                "methods": {"proposed": {"gpus_used": 4, "gpus_used_fixed_pool": None}, "loraserve": lora,
+                            "dlora": {"gpus_used": 4, "gpus_used_fixed_pool": None}}}
+
+    doc = {"scenarios": [sc("a", {"passed": False, "failed_gpus": 2, "details": []}),
+                         sc("b", {"passed": True, "failed_gpus": 0, "details": []}), sc("c", None)],
+           "max_pack": []}
+    more = acceptance(doc)["vs_baselines"]["more_gpus"]
+    assert [(x["scenario"], x["baseline_passes_verification"]) for x in more] == [("a", False), ("b", True),
+                                                                                   ("c", None)]
+    text = summary_markdown(doc)
+    assert "a vs loraserve (4 > 3; its plan fails our verification on 2 GPU(s))" in text
+    assert "b vs loraserve (4 > 3; its plan passes our verification)" in text and "c vs loraserve (4 > 3)" in text
+    assert "passes the verification `proposed`'s plans must pass in 1 of 2" in text

@@ -89,7 +89,10 @@ def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
             if gb is None:  # no replay-clean pool (or infeasible): the method wins
                 fewer[b] += 1
             elif g > gb:
-                more.append({"scenario": sc["name"], "baseline": b, "gpus": g, "baseline_gpus": gb})
+                pv = r.get("proposed_verification") or {}
+                more.append({"scenario": sc["name"], "baseline": b, "gpus": g, "baseline_gpus": gb,
+                             "baseline_passes_verification": pv.get("passed"),
+                             "baseline_failed_gpus": pv.get("failed_gpus")})
             elif g == gb:
                 ties[b] += 1
             else:
@@ -189,9 +192,15 @@ def _method_summary(doc: dict[str, Any], method: str) -> str:
                      + (f"; misses: {', '.join(near['misses'])}" if near["misses"] else "") + ".")
     vs = a["vs_baselines"]
     if vs["more_gpus"]:
-        worse = "; ".join(f"{x['scenario']} vs {x['baseline']} ({x['gpus']} > {x['baseline_gpus']})"
-                          for x in vs["more_gpus"])
+        worse = "; ".join(f"{x['scenario']} vs {x['baseline']} ({x['gpus']} > {x['baseline_gpus']}"
+                          + _verified_note(x) + ")" for x in vs["more_gpus"])
         lines.append(f"- Smallest pools: MORE GPUs than a baseline in {len(vs['more_gpus'])} case(s): {worse}.")
+        passing = [x for x in vs["more_gpus"] if x.get("baseline_passes_verification")]
+        judged = [x for x in vs["more_gpus"] if x.get("baseline_passes_verification") is not None]
+        if judged:
+            lines.append(f"- Of these, the baseline's smaller plan passes the verification `{method}`'s plans must "
+                         f"pass in {len(passing)} of {len(judged)}; the others passed the single replay window "
+                         f"only (the smallest-pool search sees the replay window, verification does not).")
     else:
         lines.append("- Smallest pools: never more GPUs than any baseline where it returned a plan.")
     if vs["no_plan_where_baseline_has_one"]:
@@ -207,6 +216,14 @@ def _method_summary(doc: dict[str, Any], method: str) -> str:
                          f"scenarios (paper: {PAPER_SAVING:.0%}); `{b}`'s fixed-pool plan replayed clean in "
                          f"{s['baseline_replay_clean']} of them.")
     return "\n".join(lines)
+
+
+def _verified_note(x: dict[str, Any]) -> str:
+    ok = x.get("baseline_passes_verification")
+    if ok is None:
+        return ""
+    return "; its plan passes our verification" if ok else \
+        f"; its plan fails our verification on {x.get('baseline_failed_gpus')} GPU(s)"
 
 
 def scenario_markdown(sc: dict[str, Any]) -> str:
