@@ -30,6 +30,7 @@ from lorapack.twin.types import EngineConfig, EngineResult, RequestArrays
 
 # LoRA cost per prefill token, separate from e1 (a newer StepModel field; optional here)
 _HAS_E1P = "e1p_ms_per_prefill_token" in StepModel.__dataclass_fields__
+_HAS_SHRINK = "shrink_grid_ms_per_kblock" in StepModel.__dataclass_fields__
 
 GRID_S = 2.0**-10  # time grid of "grid" cases (s)
 GRID_MS = 1000.0 * GRID_S  # = 0.9765625 ms, exact
@@ -211,6 +212,8 @@ def _step_model(p: CaseParams, rng: np.random.Generator) -> StepModel:
         extra["e1p_ms_per_prefill_token"] = u(0.0, 0.1)
     if rng.random() < 0.5:  # per-token terms with their own rank factor
         extra["rank_scale_token"] = u(0.5, 2.0)
+    if _HAS_SHRINK and rng.random() < 0.5:  # the shrink kernel's grid over every slot
+        extra["shrink_grid_ms_per_kblock"] = u(0.0, 2.0)
     return StepModel(**extra,
         c0_ms=u(3.0, 40.0),
         c1_ms_per_req=u(0.0, 1.5),

@@ -128,6 +128,16 @@ def test_scheduler_time_uses_waiting_after_the_passes_and_clips_at_zero():
     assert res.t_first_s[0] == DT
 
 
+def test_the_shrink_grid_term_follows_vllms_launch_config():
+    """split-K 64 below 128 tokens and 8 from 128 on, blocks of 32 tokens: 84 tokens -> 64 x 3 blocks,
+    128 -> 8 x 4, 2048 -> 8 x 64; only in steps whose batch uses adapters."""
+    sm = StepModel(c0_ms=10.0, c1_ms_per_req=0.0, lora_form="additive", shrink_grid_ms_per_kblock=2.0)
+    coef = sm.to_array()
+    for n_tok, blocks in ((1, 64), (84, 192), (127, 256), (128, 32), (2048, 512)):
+        assert steptime.compute_ms(coef, 1, 0, n_tok, 0.0, 1) == pytest.approx(10.0 + 2.0 * blocks / 1000), n_tok
+    assert steptime.compute_ms(coef, 1, 0, 84, 0.0, 0) == 10.0  # no adapter in the batch: no LoRA kernel
+
+
 def test_chunked_prefill_step_times():
     cfg = make_cfg(step_coef=StepModel(c0_ms=10.0, c1_ms_per_req=0.0, p1_ms_per_prefill_token=0.5,
                                        lora_form="none").to_array(),

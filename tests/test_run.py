@@ -131,6 +131,16 @@ def test_step_model_slot_grid_cost(llama) -> None:
     assert sm.e1_ms_per_token == sm.e1p_ms_per_prefill_token == pytest.approx(0.01)
 
 
+def test_step_model_shrink_grid_counts_every_slot_and_rank_block(llama) -> None:
+    # e5 x (A + 1) x ceil(S / 16): the grid has a layer per slot (and the no-LoRA one), 16 rank columns a block
+    prof = llama.model_copy(update={"steptime": llama.steptime.model_copy(update={"e5_ms_per_kblock_slot": 0.3})})
+    for a, s, want in ((8, 8, 0.3 * 9), (128, 16, 0.3 * 129), (128, 32, 0.3 * 129 * 2)):
+        sm = step_model(prof, resolve_server(prof, np.full(200, 8), ServerFlags(max_loras=a, max_lora_rank=s)))
+        assert sm.shrink_grid_ms_per_kblock == pytest.approx(want), (a, s)
+    assert step_model(llama, resolve_server(llama, np.full(200, 8), ServerFlags(max_loras=8))
+                      ).shrink_grid_ms_per_kblock == 0.0
+
+
 def test_step_model_slot_ratio_follows_cpu_cache(llama) -> None:
     ranks = np.full(100, 16)
     a = step_model(llama, resolve_server(llama, ranks, ServerFlags(max_loras=10)))

@@ -23,6 +23,8 @@ import numpy as np
 from .profile import Profile
 
 FINGERPRINT_SCHEME = "probe/v1"
+# step-time constants that entered the model after profiles were shipped, at the value that switches them off
+NEUTRAL_STEPTIME = {"e5_ms_per_kblock_slot": 0.0}
 # (N, A, rate per adapter req/s, rank tuple, duration s, early stop)
 PROBES: tuple[tuple[int, int, float, tuple[int, ...], float, bool], ...] = (
     (8, 8, 0.5, (8, 16), 300.0, False),  # light, every adapter resident
@@ -79,5 +81,16 @@ def _fingerprint(profile_json: str) -> str:
 
 def twin_fingerprint(profile: Profile) -> str:
     """16 hex digits identifying (twin behaviour, profile constants). Cached per profile and process."""
-    # provenance (who fitted the profile, when) does not change behaviour
-    return _fingerprint(profile.model_copy(update={"provenance": {}}).model_dump_json())
+    # provenance (who fitted the profile, when) does not change behaviour; constants added to the model later
+    # are left out at their neutral value, so profiles fitted before them keep their fingerprint
+    doc = _drop_neutral(profile.model_copy(update={"provenance": {}}).model_dump(mode="json"))
+    return _fingerprint(json.dumps(doc))
+
+
+def _drop_neutral(v):
+    """``v`` without the NEUTRAL_STEPTIME keys that hold their neutral value (at any depth: priors too)."""
+    if isinstance(v, dict):
+        return {k: _drop_neutral(x) for k, x in v.items() if not (k in NEUTRAL_STEPTIME and x == NEUTRAL_STEPTIME[k])}
+    if isinstance(v, list):
+        return [_drop_neutral(x) for x in v]
+    return v

@@ -49,7 +49,8 @@ class StepTimeModel(_Frozen):
 
     ``base = c0 + c1*B + p1*n_pf + a3*ctx/1000``; additive LoRA part, when the batch uses adapters:
     ``e0 + (S/8)**gamma_token * ((e1 + e4*A/1000)*B_dec + (e1p + e4*A/1000)*n_pf)
-    + (S/8)**gamma_adapter * (e2*L + e3*B*L/1000)``.
+    + (S/8)**gamma_adapter * (e2*L + e3*B*L/1000) + e5*(A+1)*ceil(S/16)*split_k*ceil(n_tok/32)/1000``
+    (split_k = 64 below 128 tokens, else 8: vLLM 0.8.5 V1's shrink grid, one layer per slot).
 
     The slot rank S (``--max-lora-rank``, every slot is sized for it) enters twice: per token the LoRA
     kernels move activations (little S dependence at large batches), per distinct adapter they read its
@@ -73,6 +74,9 @@ class StepTimeModel(_Frozen):
     k1_pct_per_adapter: float = 0.0
     e1p_ms_per_prefill_token: float | None = None  # per prefill token; None = e1_ms_per_token
     e4_ms_per_ktok_slot: float = 0.0  # per token and 1000 GPU slots (A): kernel grid over all slots
+    # per 1000 blocks of the shrink kernel's grid per slot (formula above)
+    # (twin.steptime: vLLM 0.8.5 V1's default launch config); 0 = not modelled (profiles before it)
+    e5_ms_per_kblock_slot: float = 0.0
 
 
     def rank_exponents(self) -> tuple[float, float]:

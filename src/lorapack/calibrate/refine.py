@@ -48,6 +48,7 @@ FREE_PARAMS: dict[str, FreeParam] = {p.name: p for p in (
     FreeParam("e2", "e2_ms_per_adapter", 0.3, 0.0, 5.0, "ms/adapter"),
     FreeParam("e3", "e3_ms_per_kreq_adapter", 1.0, 0.0, 20.0, "ms per 1000 request-adapters (B*L)"),
     FreeParam("e4", "e4_ms_per_ktok_slot", 0.2, 0.0, 5.0, "ms per 1000 token-slots (n_tok*A)"),
+    FreeParam("e5", "e5_ms_per_kblock_slot", 0.5, 0.0, 5.0, "ms per 1000 shrink-grid blocks per slot"),
     FreeParam("a3", "a3_ms_per_kctx", 0.05, 0.0, 1.0, "ms per 1000 context tokens"),
     FreeParam("p1", "p1_ms_per_prefill_token", 0.005, 0.0, 0.2, "ms/prefill token"),
     FreeParam("gamma", "gamma", 0.5, -2.0, 3.0, "exponent of (S/8) of every LoRA term (older profiles)"),

@@ -159,6 +159,7 @@ def step_model(profile: Profile, srv: ResolvedServer) -> StepModel:
         e1_ms_per_token=st.e1_ms_per_token + slots, e1p_ms_per_prefill_token=e1p + slots,
         e2_ms_per_adapter=st.e2_ms_per_adapter,
         e3_ms_per_kreq_adapter=st.e3_ms_per_kreq_adapter,
+        shrink_grid_ms_per_kblock=st.e5_ms_per_kblock_slot * (srv.max_loras + 1) * -(-srv.max_lora_rank // 16),
         rank_scale=(srv.max_lora_rank / 8.0) ** gamma_adapter,
         rank_scale_token=(srv.max_lora_rank / 8.0) ** gamma_token, k0_pct=st.k0_pct,
         k1_pct_per_adapter=st.k1_pct_per_adapter,

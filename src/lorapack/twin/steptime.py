@@ -12,9 +12,16 @@ from dataclasses import dataclass
 import numpy as np
 
 # indices into the packed coefficient vector (later additions are appended: older indices are unchanged)
-C0, C1, P1, A3, LORA_FORM, E0, E1, E2, E3, RANK_SCALE, K0, K1, SB, S0, SW, SWA, SBASE, E1P, RANK_SCALE_TOKEN = \
-    range(19)
-N_COEF = 19
+C0, C1, P1, A3, LORA_FORM, E0, E1, E2, E3, RANK_SCALE, K0, K1, SB, S0, SW, SWA, SBASE, E1P, RANK_SCALE_TOKEN, \
+    SHRINK_GRID = range(20)
+N_COEF = 20
+
+# vLLM 0.8.5 V1's LoRA shrink kernel (default config): blocks of 32 tokens, split-K 64 below 128 tokens and 8
+# from 128 on, blocks of 16 rank columns, one grid layer per GPU slot (max_loras + 1); an idle slot's blocks
+# exit at once but are still launched
+SHRINK_BLOCK_M = 32
+SHRINK_SPLIT_K_SMALL, SHRINK_SPLIT_K_LARGE, SHRINK_LARGE_FROM = 64, 8, 128
+SHRINK_BLOCK_N = 16
 
 LORA_NONE, LORA_ADDITIVE, LORA_MULTIPLICATIVE = 0.0, 1.0, 2.0
 
@@ -42,6 +49,7 @@ class StepModel:
     sched_ms_per_waiting_slot_ratio: float = 0.0  # already multiplied by A / N_cpu
     sched_baseline_ms: float = 0.0
     e1p_ms_per_prefill_token: float | None = None  # LoRA cost per prefill token; None = e1_ms_per_token
+    shrink_grid_ms_per_kblock: float = 0.0  # e5 x (A + 1) x ceil(S / 16): per 1000 shrink blocks of one slot
 
     def to_array(self) -> np.ndarray:
         form = {"none": LORA_NONE, "additive": LORA_ADDITIVE, "multiplicative": LORA_MULTIPLICATIVE}
@@ -59,17 +67,22 @@ class StepModel:
             self.sched_ms_per_waiting_slot_ratio, self.sched_baseline_ms)
         coef[E1P] = self.e1_ms_per_token if self.e1p_ms_per_prefill_token is None else self.e1p_ms_per_prefill_token
         coef[RANK_SCALE_TOKEN] = self.rank_scale if self.rank_scale_token is None else self.rank_scale_token
+        coef[SHRINK_GRID] = self.shrink_grid_ms_per_kblock
         return coef
+
 
 
 def compute_ms(coef: np.ndarray, n_sched: int, n_prefill_tokens: int, n_tokens: int,
                ctx_tokens: float, n_lora: int) -> float:
     """GPU time of the forward pass: ``base`` plus the LoRA part when the batch uses adapters.
 
-    additive LoRA part: ``e0 + rank_scale_token * (e1*B_dec + e1p*n_pf) + rank_scale * (e2*L + e3*B*L/1000)``
-    with ``B_dec = n_tokens - n_prefill_tokens`` (decode tokens), ``n_pf`` prefill tokens, ``L`` distinct
-    adapters. The two rank factors differ because the shrink/expand kernels' work per token is dominated by
-    the activations (hardly depends on the slot rank S), while per adapter they read its weights (grow with S).
+    additive LoRA part: ``e0 + rank_scale_token * (e1*B_dec + e1p*n_pf) + rank_scale * (e2*L + e3*B*L/1000)
+    + shrink_grid * blocks / 1000`` with ``blocks = split_k * ceil(n_tokens / 32)`` (split-K 64 below 128 tokens,
+    8 from 128 on: the shrink grid of one slot and one block of 16 rank columns), with ``B_dec = n_tokens - n_prefill_tokens`` (decode
+    tokens), ``n_pf`` prefill tokens, ``L`` distinct adapters. The two rank factors differ because the
+    shrink/expand kernels' work per token is dominated by the activations (hardly depends on the slot rank S),
+    while per adapter they read its weights (grow with S). The last term is the shrink kernel's launch grid,
+    one layer per slot whether busy or not: large for small batches (split-K 64), with A and with S.
     """
     base = (coef[C0] + coef[C1] * n_sched + coef[P1] * n_prefill_tokens
             + coef[A3] * ctx_tokens / 1000.0)
@@ -77,9 +90,12 @@ def compute_ms(coef: np.ndarray, n_sched: int, n_prefill_tokens: int, n_tokens: 
         return base
     if coef[LORA_FORM] == LORA_MULTIPLICATIVE:
         return base * (coef[K1] * n_lora + coef[K0]) / 100.0
+    split_k = SHRINK_SPLIT_K_SMALL if n_tokens < SHRINK_LARGE_FROM else SHRINK_SPLIT_K_LARGE
+    blocks = split_k * ((n_tokens + SHRINK_BLOCK_M - 1) // SHRINK_BLOCK_M)
     return base + coef[E0] + coef[RANK_SCALE_TOKEN] * (
         coef[E1] * (n_tokens - n_prefill_tokens) + coef[E1P] * n_prefill_tokens) + coef[RANK_SCALE] * (
-        coef[E2] * n_lora + coef[E3] * n_sched * n_lora / 1000.0)
+        coef[E2] * n_lora + coef[E3] * n_sched * n_lora / 1000.0) + (
+        coef[SHRINK_GRID] * blocks / 1000.0)
 
 
 def sched_ms(coef: np.ndarray, n_running: int, n_waiting: int) -> float:
