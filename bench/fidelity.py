@@ -32,7 +32,8 @@ from lorapack import __version__
 from lorapack.calibrate import default_data_dir
 from lorapack.calibrate.command import DEFAULT_MAX_EVALS, DEFAULT_MAX_WALL_S, refine_profile, validate_profile
 from lorapack.calibrate.priors import CALIBRATION_CSV, fit_priors_from, lora_overhead_points
-from lorapack.profile import find_profile
+from lorapack.calibrate.refine import DEFAULT_FREE, FREE_PARAMS
+from lorapack.profile import find_profile, load_profile_file
 from lorapack.realruns import RunPrediction, read_runs, run_group, score_runs
 
 MODELS = ("llama-3.1-8b-instruct", "qwen-2.5-7b-instruct")
@@ -59,7 +60,8 @@ def _write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_evals: tuple[int, int],
-         workers: int, max_wall_s: float = DEFAULT_MAX_WALL_S, only: list[str] | None = None) -> dict:
+         workers: int, max_wall_s: float = DEFAULT_MAX_WALL_S, only: list[str] | None = None,
+         free: tuple[str, ...] = DEFAULT_FREE) -> dict:
     """Leave-one-group-out for one model: refine on two groups, score the third; plus the pooled scores (over
     the held-out groups run: ``only`` restricts them)."""
     groups = sorted({run_group(r["run_id"]) for r in rows})
@@ -82,7 +84,7 @@ def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_eva
             prior = fit_priors_from(data_dir / "profiling", runs_csv, model)
         tag = f"  [held out: {g}] "
         prof, prov = refine_profile(prior, train, anchors=anchors, seeds=seeds, max_evals=max_evals,
-                                    max_wall_s=max_wall_s, workers=workers,
+                                    max_wall_s=max_wall_s, workers=workers, free=free,
                                     log=lambda s, tag=tag: print(tag + s, file=sys.stderr, flush=True))
         scores, table = validate_profile(prof, test, seeds=seeds, workers=workers)
         scores.pop("by_group", None)
@@ -111,17 +113,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-logo", action="store_true", help="in-sample scores only")
     ap.add_argument("--model", action="append", choices=MODELS)
     ap.add_argument("--group", action="append", help="leave-one-group-out: hold out only this group (repeatable)")
+    ap.add_argument("--free", default=",".join(DEFAULT_FREE),
+                    help="constants the leave-one-group-out refinement fits (as lorapack calibrate --free)")
+    ap.add_argument("--profile", type=Path, action="append", default=[],
+                    help="score this profile file in-sample instead of the shipped one of its model (repeatable)")
     args = ap.parse_args(argv)
     data_dir = args.data_dir or default_data_dir()
     runs_path = data_dir / CALIBRATION_CSV
     seeds = list(range(args.seeds))
     max_evals = tuple(int(x) for x in args.max_evals.split(","))
     rows_all = read_runs(runs_path)
+    free = tuple(x.strip() for x in args.free.split(",") if x.strip())
+    unknown = [x for x in free if x not in FREE_PARAMS]
+    if unknown:
+        raise SystemExit(f"--free {unknown[0]}: expected names among {', '.join(FREE_PARAMS)}")
+    given = {}
+    for path in args.profile:
+        prof = load_profile_file(path)
+        given[prof.model] = prof
     result: dict = {
         "generated": datetime.now(UTC).replace(microsecond=0).isoformat(), "lorapack_version": __version__,
         "runs": CALIBRATION_CSV, "runs_sha256": hashlib.sha256(runs_path.read_bytes()).hexdigest(),
         "seeds": args.seeds, "lengths": "lognormal (each profile's fitted runs_lengths.cv)",
-        "logo_max_evals": list(max_evals),
+        "logo_max_evals": list(max_evals), "logo_free": list(free),
+        "profiles": {m: str(p) for m, p in zip(given, args.profile, strict=True)},
         "conventions": "smape_*: paper convention 100*mean(|y-yhat|/(|y|+|yhat|)); smape_*_2x: usual (factor 2); "
                        "TTFT: completed-only mean; starved_agreement_clear: runs with real throughput ratio "
                        "outside 0.85-0.95; oom rows are scored on the start-up rule",
@@ -129,14 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.model or MODELS:
         rows = [r for r in rows_all if r["model"] == model]
         t0 = time.perf_counter()
-        prof = find_profile(model)
+        prof = given.get(model) or find_profile(model)
         scores, table = validate_profile(prof, rows, seeds=seeds, workers=args.workers)
         scores["wall_s"] = time.perf_counter() - t0
         scores["profile_date"] = prof.provenance.get("date")
         result["in_sample"][model] = scores
         if not args.no_logo:
             result["leave_one_group_out"][model] = logo(data_dir, model, rows, seeds, max_evals, args.workers,
-                                                        args.max_minutes * 60.0, args.group)
+                                                        args.max_minutes * 60.0, args.group, free)
         del table
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".json.tmp")
