@@ -498,8 +498,10 @@ def _consolidation_candidates(inst: Instance, ctx: Context, gpus: int, options: 
 
 
 def _plan_key(fills: list[GpuFill]) -> frozenset:
-    """A plan up to the order of its GPUs and of the adapters on each (what verification's outcome depends on)."""
-    return frozenset((tuple(sorted(zip(f.entries, [round(x, 9) for x in shares_of(f)], strict=True))), f.max_loras)
+    """A plan up to the order of its GPUs. The adapters' order on a GPU stays in the key: it is the registration
+    order (which adapters start resident) and the order of the verifier's random streams, so two dealings of
+    the same adapters onto one GPU are two plans, each deployable, each verified on its own."""
+    return frozenset((tuple(zip(f.entries, [round(x, 9) for x in shares_of(f)], strict=True)), f.max_loras)
                      for f in fills)
 
 
@@ -523,7 +525,7 @@ def _consolidate(inst: Instance, ctx: Context, fills: list[GpuFill], verdicts: l
         for origin, cand in _consolidation_candidates(inst, ctx, g, options):
             cand = _normalise(inst, cand)
             key = _plan_key(cand)
-            if key in seen:  # e.g. every dealing of the adapters onto one GPU with the same A
+            if key in seen:  # e.g. dLoRA's and the round-robin dealing of the adapters in input order, all resident
                 continue
             seen.add(key)
             fresh = verify_fills(inst, ctx.profile, cand, ctx.objective, verifier)
