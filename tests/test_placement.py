@@ -632,6 +632,34 @@ def test_consolidation_tries_other_arrangements_than_the_greedys_and_keeps_only_
     assert calm.verification["gpus_added"] == 0 and calm.gpus_used <= 3
 
 
+class _Counting(_Picky):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.simulated: list[float] = []  # each simulated GPU's total rate, in call order
+
+    def predict(self, cands):
+        self.simulated += [round(float(np.sum(c.rates_rps)), 2) for c in cands]
+        return super().predict(cands)
+
+
+def test_a_consolidation_candidate_is_rejected_at_its_first_failing_gpu_heaviest_first() -> None:
+    from lorapack.placement.api import Context, _verify_until_failure
+    from lorapack.placement.greedy import GpuFill
+    from lorapack.placement.verify import verify_fills
+
+    inst = instance(np.array([0.62, 0.61] + [0.4] * 10))
+    light, heavy, other = GpuFill([2, 3, 4], 3), GpuFill([0, 1, 5, 6], 4), GpuFill([7, 8, 9, 10, 11], 5)
+    for workers, simulated in ((1, [2.03]), (2, [2.03, 2.0])):
+        picky = _Counting(5.0)
+        ctx = Context(profile=LLAMA, objective=THR, workers=workers)
+        assert _verify_until_failure(inst, ctx, [light, heavy, other], picky) is None
+        assert picky.simulated == simulated  # the heaviest GPU first (and fails), the light one never simulated
+    calm = _Counting(5.0)
+    ok = _verify_until_failure(inst, Context(profile=LLAMA, objective=THR), [light, other], calm)
+    assert calm.simulated == [2.0, 1.2]
+    assert ok == verify_fills(inst, LLAMA, [light, other], THR, ToyOracle(5.0))  # in the plan's GPU order
+
+
 def test_verify_plan_judges_another_methods_plan_as_place_verifies() -> None:
     from lorapack.placement.api import verify_plan
 

@@ -47,7 +47,7 @@ from .oracles import ParallelTwinOracle, default_workers, exact_oracle, learned_
 from .plan import GpuMetrics, GpuPlan, Plan
 from .problem import DEFAULT_HEADROOM, Instance, Objective, instance_from_workload, split_entries
 from .search import bisect_smallest
-from .verify import RepairLog, Verdict, repair
+from .verify import RepairLog, Verdict, repair, verify_fills
 
 GREEDY_METHODS = ("proposed", "proposed-fast", "proposed-exact")
 POOL_METHODS = ("proposed-lat", "dlora", "loraserve", "least-adapters", "round-robin")
@@ -458,8 +458,6 @@ def verify_plan(plan: Plan, adapters, profile: Profile, *, objective: Objective 
     ctx = Context(profile=profile, objective=objective, seed=int(seed),
                   workers=default_workers() if workers is None else int(workers), verify_arrivals=verify_arrivals,
                   verify_oracle=verify_oracle)
-    from .verify import verify_fills
-
     return verify_fills(inst, profile, fills, objective, ctx.verifier(verify_seeds))
 
 
@@ -505,6 +503,25 @@ def _plan_key(fills: list[GpuFill]) -> frozenset:
                      for f in fills)
 
 
+def _verify_until_failure(inst: Instance, ctx: Context, fills: list[GpuFill], verifier: Oracle
+                          ) -> list[Verdict] | None:
+    """``verify_fills`` for a consolidation candidate, or None as soon as one GPU fails: one failing GPU rejects
+    the candidate, so the others are not simulated. GPUs go heaviest first (the likeliest to fail), ``workers``
+    at a time; every GPU's seeds are its own, so the verdicts of a passing candidate equal ``verify_fills``'s."""
+    load = [sum(inst.rates_rps[e] * s for e, s in zip(f.entries, shares_of(f), strict=True)) for f in fills]
+    order = sorted(range(len(fills)), key=lambda i: -load[i])
+    chunk = max(1, ctx.workers)
+    verdicts: dict[int, Verdict] = {}
+    for k in range(0, len(order), chunk):
+        part = order[k:k + chunk]
+        for i, v in zip(part, verify_fills(inst, ctx.profile, [fills[i] for i in part], ctx.objective, verifier),
+                        strict=True):
+            if not v.passed:
+                return None
+            verdicts[i] = v
+    return [verdicts[i] for i in range(len(fills))]
+
+
 def _consolidate(inst: Instance, ctx: Context, fills: list[GpuFill], verdicts: list[Verdict], verifier: Oracle,
                  floor: int, n_max: int) -> tuple[list[GpuFill], list[Verdict], dict]:
     """After a greedy plan passed verification: plans on fewer GPUs (one less at a time, never below ``floor``),
@@ -513,8 +530,6 @@ def _consolidate(inst: Instance, ctx: Context, fills: list[GpuFill], verdicts: l
     arrangement of the same adapters on fewer GPUs -- balanced, or a baseline's -- may pass where the greedy's
     did not, and a plan then never needs more GPUs than one a baseline would deploy and our verifier accepts.
     ``n_max``: the most adapters a candidate may put on one GPU."""
-    from .verify import verify_fills
-
     info: dict = {"gpus_before": len(fills), "gpus_after": len(fills), "accepted": False, "tried": []}
     options = replace(ctx.options, n_max=n_max)
     seen: set = set()
@@ -528,10 +543,10 @@ def _consolidate(inst: Instance, ctx: Context, fills: list[GpuFill], verdicts: l
             if key in seen:  # e.g. dLoRA's and the round-robin dealing of the adapters in input order, all resident
                 continue
             seen.add(key)
-            fresh = verify_fills(inst, ctx.profile, cand, ctx.objective, verifier)
-            ok = all(v.passed for v in fresh)
+            fresh = _verify_until_failure(inst, ctx, cand, verifier)
+            ok = fresh is not None
             info["tried"].append({"gpus": g, "origin": origin, "passed": ok})
-            if ok:
+            if fresh is not None:
                 found = (cand, fresh, origin)
                 break
         if found is None:
