@@ -169,10 +169,10 @@ def bench_instance(name: str, n: int, total: float, prof, learned: dict, args) -
         extra = f" (paper: {paper:g} ms)" if paper else ""
         print(f"  {method:22s} {row['placement_ms']:10.1f} ms  {row.get('gpus_used', '-')} GPUs{ok}{extra}")
         if method == "proposed-exact":
+            c = row["verification"].get("consolidated") or {}
+            merged = f", consolidated from {c['gpus_before']}" if c.get("accepted") else ""
             print(f"  {'  verification':22s} {row['verification_ms']:10.1f} ms  -> {row['verified_gpus_used']} "
-                  f"GPUs, {row['verification']['gpus_added']} added by repair"
-                  + (f", consolidated from {c['gpus_before']}" if (c := row['verification'].get('consolidated', {}))
-                     .get('accepted') else ""))
+                  f"GPUs, {row['verification']['gpus_added']} added by repair{merged}")
         if target is not None:
             row["target_ms"] = target
             row["target_met"] = row["placement_ms"] <= target

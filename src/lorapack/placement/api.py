@@ -47,7 +47,7 @@ from .oracles import ParallelTwinOracle, default_workers, exact_oracle, learned_
 from .plan import GpuMetrics, GpuPlan, Plan
 from .problem import DEFAULT_HEADROOM, Instance, Objective, instance_from_workload, split_entries
 from .search import bisect_smallest
-from .verify import RepairLog, Verdict, repair, verify_fills
+from .verify import RepairLog, Verdict, fill_candidate, repair, verify_fills
 
 GREEDY_METHODS = ("proposed", "proposed-fast", "proposed-exact")
 POOL_METHODS = ("proposed-lat", "dlora", "loraserve", "least-adapters", "round-robin")
@@ -508,7 +508,7 @@ def _verify_until_failure(inst: Instance, ctx: Context, fills: list[GpuFill], ve
     """``verify_fills`` for a consolidation candidate, or None as soon as one GPU fails: one failing GPU rejects
     the candidate, so the others are not simulated. GPUs go heaviest first (the likeliest to fail), ``workers``
     at a time; every GPU's seeds are its own, so the verdicts of a passing candidate equal ``verify_fills``'s."""
-    load = [sum(inst.rates_rps[e] * s for e, s in zip(f.entries, shares_of(f), strict=True)) for f in fills]
+    load = [float(fill_candidate(inst, ctx.profile, f).rates_rps.sum()) for f in fills]  # req/s, shares applied
     order = sorted(range(len(fills)), key=lambda i: -load[i])
     chunk = max(1, ctx.workers)
     verdicts: dict[int, Verdict] = {}
@@ -544,8 +544,7 @@ def _consolidate(inst: Instance, ctx: Context, fills: list[GpuFill], verdicts: l
                 continue
             seen.add(key)
             fresh = _verify_until_failure(inst, ctx, cand, verifier)
-            ok = fresh is not None
-            info["tried"].append({"gpus": g, "origin": origin, "passed": ok})
+            info["tried"].append({"gpus": g, "origin": origin, "passed": fresh is not None})
             if fresh is not None:
                 found = (cand, fresh, origin)
                 break
