@@ -397,6 +397,39 @@ def test_real_placement_methods_on_a_small_scenario(tmp_path, trace_file):
         assert r["starved_gpus"] == 0 and r["oom_gpus"] == 0
 
 
+def _untimed(x):
+    """A results or plan document without its wall times and simulation counts."""
+    if isinstance(x, dict):
+        return {k: _untimed(v) for k, v in x.items()
+                if not (k.endswith("_ms") or k in ("wall_s", "simulations", "cached_gpus"))}
+    if isinstance(x, list):
+        return [_untimed(v) for v in x]
+    return x
+
+
+def test_the_verifier_is_shared_across_protocols_without_changing_a_verdict(tmp_path, trace_file):
+    """One twin verifier per workload: the fixed-pool run of a greedy method re-verifies the same plan from the
+    shared answers (0 simulations), and every result equals a run with a fresh verifier per call."""
+    from lorapack.evaluate.placement_api import PlacementPlacer
+
+    class Unshared(PlacementPlacer):
+        def _verifier(self, workload, profile, seed):
+            self._verifiers.clear()
+            return super()._verifier(workload, profile, seed)
+
+    sc = load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: 24\nload_scale: 6\nfixed_pool: 4\n"
+                                                             "max_pack: false\n"))
+    shared = evaluate_scenarios(sc, PlacementPlacer(), methods=("proposed-exact",), keep_plans=True)
+    plans = shared["scenarios"][0]["plans"]
+    own, fixed = plans["proposed-exact/smallest"], plans["proposed-exact/fixed"]
+    assert [g["adapters"] for g in own["gpus"]] == [g["adapters"] for g in fixed["gpus"]]
+    assert own["verification"]["simulations"] > 0
+    assert fixed["verification"]["simulations"] == 0 and fixed["verification"]["cached_gpus"] >= len(fixed["gpus"])
+    fresh = evaluate_scenarios(sc, Unshared(), methods=("proposed-exact",), keep_plans=True)
+    assert fresh["scenarios"][0]["plans"]["proposed-exact/fixed"]["verification"]["simulations"] > 0
+    assert _untimed(shared["scenarios"]) == _untimed(fresh["scenarios"])
+
+
 class _CautiousPack(ToyPlacer):
     """toy-pack fills GPUs to a tenth of the capacity (many GPUs); its verifier fails any GPU above half of it."""
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from ..oracle import Oracle
 from ..placement import (
     DEFAULT_HEADROOM,
     GREEDY_METHODS,
@@ -23,7 +24,13 @@ from ..placement import (
     lower_bound,
     place,
 )
-from ..placement.api import DEFAULT_VERIFY_SEEDS, verification_latency_row, verify_plan, workload_verify_law
+from ..placement.api import (
+    DEFAULT_VERIFY_SEEDS,
+    twin_verifier,
+    verification_latency_row,
+    verify_plan,
+    workload_verify_law,
+)
 from ..placement.plan import Plan
 from ..profile import Profile
 from ..spec import Workload
@@ -45,6 +52,24 @@ class PlacementPlacer:
 
     def __init__(self, workers: int = 1) -> None:
         self.workers = workers
+        self._verifiers: dict[tuple, Oracle] = {}
+
+    def new_workload(self) -> None:
+        """The runner moved on to another workload: drop the shared verifiers' answers (memory)."""
+        self._verifiers.clear()
+
+    def _verifier(self, workload: Workload, profile: Profile, seed: int) -> Oracle:
+        """One verifier per (profile, seed, arrival law) for every method and protocol of a workload: the greedy
+        methods' plans, their fixed-pool plans and the consolidation candidates coincide often (e.g. the same
+        balanced dealing tried by all three), and each GPU is simulated once. Verdicts are unchanged (each GPU's
+        runs depend on its content and seeds only); the plans' ``verification.simulations`` count this call's
+        own simulations, ``cached_gpus`` the GPUs answered from the shared cache (``verification_ms`` shrinks
+        accordingly)."""
+        law = workload_verify_law(workload)
+        key = (profile.file_hash(), seed, None if law is None else law.model_dump_json())
+        if key not in self._verifiers:
+            self._verifiers[key] = twin_verifier(seed, DEFAULT_VERIFY_SEEDS, self.workers, law)
+        return self._verifiers[key]
 
     def methods(self) -> tuple[str, ...]:
         return METHODS
@@ -73,7 +98,7 @@ class PlacementPlacer:
     def verify(self, workload: Workload, profile: Profile, req: PlaceRequest, plan: Plan) -> dict | None:
         verdicts = verify_plan(plan, workload, profile, objective=placement_objective(req.objective, req.limits),
                                headroom=DEFAULT_HEADROOM if req.headroom is None else req.headroom, seed=req.seed,
-                               workers=self.workers)
+                               workers=self.workers, verify_oracle=self._verifier(workload, profile, req.seed))
         bad = [(g, v) for g, v in enumerate(verdicts) if not v.passed]
         return {"passed": not bad, "failed_gpus": len(bad),
                 "details": [f"GPU {g}: {v.reason}: {v.detail}" for g, v in bad]}
@@ -83,4 +108,5 @@ class PlacementPlacer:
                      objective=placement_objective(req.objective, req.limits),
                      headroom=DEFAULT_HEADROOM if req.headroom is None else req.headroom,
                      verify=req.verify and req.method in GREEDY_METHODS, seed=req.seed,
-                     split_hot=req.split_hot, workers=self.workers)
+                     split_hot=req.split_hot, workers=self.workers,
+                     verify_oracle=self._verifier(workload, profile, req.seed) if req.verify else None)

@@ -273,6 +273,9 @@ def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple
             ctx = Context(profile=profile, derived=derived,
                           replayer=Replayer(profile, derived, sc.replay_seed, mapper))
             contexts = {key: ctx}  # one workload's cache at a time: scenarios of a workload are adjacent
+            new_workload = getattr(placer, "new_workload", None)  # optional: a placer's per-workload caches
+            if new_workload is not None:
+                new_workload()
         ctx.plans = {}
         # the bound depends on the objective (latency row) and the verification arrivals, not on the method
         bkey = (sc.objective_label, sc.headroom, sc.verify_arrivals, sc.seed)

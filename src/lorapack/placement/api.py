@@ -118,9 +118,7 @@ class Context:
     def verifier(self, seeds: int) -> Oracle:
         if self.verify_oracle is not None:
             return self.verify_oracle
-        return ParallelTwinOracle(seeds=tuple(verify_seeds_of(self.seed, seeds)),
-                                  duration_s=VERIFY_DURATION_S, early_stop=False, workers=self.workers,
-                                  arrivals=self.verify_arrivals, name="twin-verify")
+        return twin_verifier(self.seed, seeds, self.workers, self.verify_arrivals)
 
     def cap(self, inst: Instance) -> CapacityFn:
         if self.capacity is None:
@@ -137,6 +135,18 @@ class Context:
             return row(slot_rank)
 
         return with_progress
+
+
+def twin_verifier(seed: int = 0, seeds: int = DEFAULT_VERIFY_SEEDS, workers: int | None = None,
+                  arrivals: CandidateArrivals | None = None) -> ParallelTwinOracle:
+    """The twin as ``place()``'s verifier: ``seeds`` seeds derived from the placement ``seed``, the full hour, no
+    early termination, ``arrivals`` (None: Poisson). Its answers are cached by candidate, so one verifier passed
+    as ``verify_oracle`` to several ``place`` / ``verify_plan`` calls on the same settings simulates a GPU
+    (same adapters in the same order, same flags) once -- what ``lorapack evaluate`` does across its methods and
+    protocols. Only simulation is shared: each call judges the answers by its own objective."""
+    return ParallelTwinOracle(seeds=tuple(verify_seeds_of(seed, seeds)), duration_s=VERIFY_DURATION_S,
+                              early_stop=False, workers=default_workers() if workers is None else int(workers),
+                              arrivals=arrivals, name="twin-verify")
 
 
 def verify_seeds_of(seed: int, n: int) -> list[int]:
@@ -400,6 +410,7 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
         t1 = time.perf_counter()
         ctx.say(f"verifying {len(fills)} GPUs ({verify_seeds} seeds x {VERIFY_DURATION_S:.0f} s)")
         verifier = ctx.verifier(verify_seeds)
+        sims_before = (getattr(verifier, "n_simulations", 0), getattr(verifier, "cache_hits", 0))
         before = len(fills)
         try:
             fills, verdicts, log = repair(inst, profile, fills, objective, verifier, ctx.twin(), pool=gpus,
@@ -416,7 +427,7 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
             limit = n_max if hard_n_max else inst.n
             fills, verdicts, consolidated = _consolidate(inst, ctx, fills, verdicts, verifier, floor, limit)
         verification_ms = (time.perf_counter() - t1) * 1e3
-        verification = _verification_dict(verifier, verify_seeds, before, fills, verdicts, log)
+        verification = _verification_dict(verifier, verify_seeds, before, fills, verdicts, log, sims_before)
         if consolidated is not None:
             verification["consolidated"] = consolidated
 
@@ -578,14 +589,18 @@ def _infeasible(method: str, profile: Profile, settings: dict, bound: LowerBound
 
 
 def _verification_dict(verifier: Oracle, seeds: int, before: int, fills: list[GpuFill], verdicts: list[Verdict],
-                       log: RepairLog) -> dict:
+                       log: RepairLog, counts_before: tuple[int, int] = (0, 0)) -> dict:
+    # a verifier shared by several calls (``twin_verifier``) counts for all of them: this call's share
+    sims = getattr(verifier, "n_simulations", None)
+    hits = getattr(verifier, "cache_hits", None)
     return {"seeds": list(getattr(verifier, "seeds", ())) or seeds,
             "duration_s": getattr(verifier, "duration_s", VERIFY_DURATION_S),
             "passed": all(v.passed for v in verdicts), "gpus_before": before, "gpus_after": len(fills),
             "gpus_added": log.added_gpus, "repair_rounds": log.rounds, "gpus_cut": log.cut_gpus,
             "moved_adapters": log.moved_entries, "max_loras_lowered": log.max_loras_lowered,
             "max_loras_raised": log.max_loras_raised,
-            "events": log.events[:50], "simulations": getattr(verifier, "n_simulations", None)}
+            "events": log.events[:50], "simulations": None if sims is None else sims - counts_before[0],
+            "cached_gpus": None if hits is None else hits - counts_before[1]}
 
 
 def _refused_not_hot(inst: Instance, e: Infeasible, bound: LowerBound, oracle_name: str) -> Infeasible | None:
