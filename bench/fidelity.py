@@ -32,7 +32,7 @@ from lorapack import __version__
 from lorapack.calibrate import default_data_dir
 from lorapack.calibrate.command import DEFAULT_MAX_EVALS, DEFAULT_MAX_WALL_S, refine_profile, validate_profile
 from lorapack.calibrate.priors import CALIBRATION_CSV, fit_priors_from, lora_overhead_points
-from lorapack.calibrate.refine import DEFAULT_FREE, FREE_PARAMS
+from lorapack.calibrate.refine import DEFAULT_FREE, FREE_PARAMS, GROUP_BIAS_WEIGHT
 from lorapack.profile import find_profile, load_profile_file
 from lorapack.realruns import RunPrediction, read_runs, run_group, score_runs
 
@@ -61,7 +61,7 @@ def _write_rows(path: Path, rows: list[dict]) -> None:
 
 def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_evals: tuple[int, int],
          workers: int, max_wall_s: float = DEFAULT_MAX_WALL_S, only: list[str] | None = None,
-         free: tuple[str, ...] = DEFAULT_FREE) -> dict:
+         free: tuple[str, ...] = DEFAULT_FREE, group_weight: float = GROUP_BIAS_WEIGHT) -> dict:
     """Leave-one-group-out for one model: refine on two groups, score the third; plus the pooled scores (over
     the held-out groups run: ``only`` restricts them)."""
     groups = sorted({run_group(r["run_id"]) for r in rows})
@@ -85,6 +85,7 @@ def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_eva
         tag = f"  [held out: {g}] "
         prof, prov = refine_profile(prior, train, anchors=anchors, seeds=seeds, max_evals=max_evals,
                                     max_wall_s=max_wall_s, workers=workers, free=free,
+                                    group_weight=group_weight,
                                     log=lambda s, tag=tag: print(tag + s, file=sys.stderr, flush=True))
         scores, table = validate_profile(prof, test, seeds=seeds, workers=workers)
         scores.pop("by_group", None)
@@ -115,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", action="append", help="leave-one-group-out: hold out only this group (repeatable)")
     ap.add_argument("--free", default=",".join(DEFAULT_FREE),
                     help="constants the leave-one-group-out refinement fits (as lorapack calibrate --free)")
+    ap.add_argument("--group-weight", type=float, default=GROUP_BIAS_WEIGHT,
+                    help="weight of each run group's mean throughput error in the leave-one-group-out refinement "
+                         "(as lorapack calibrate --group-weight)")
     ap.add_argument("--profile", type=Path, action="append", default=[],
                     help="score this profile file in-sample instead of the shipped one of its model (repeatable)")
     args = ap.parse_args(argv)
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "generated": datetime.now(UTC).replace(microsecond=0).isoformat(), "lorapack_version": __version__,
         "runs": CALIBRATION_CSV, "runs_sha256": hashlib.sha256(runs_path.read_bytes()).hexdigest(),
         "seeds": args.seeds, "lengths": "lognormal (each profile's fitted runs_lengths.cv)",
-        "logo_max_evals": list(max_evals), "logo_free": list(free),
+        "logo_max_evals": list(max_evals), "logo_free": list(free), "logo_group_weight": args.group_weight,
         "profiles": {m: str(p) for m, p in zip(given, args.profile, strict=True)},
         "conventions": "smape_*: paper convention 100*mean(|y-yhat|/(|y|+|yhat|)); smape_*_2x: usual (factor 2); "
                        "TTFT: completed-only mean; starved_agreement_clear: runs with real throughput ratio "
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         result["in_sample"][model] = scores
         if not args.no_logo:
             result["leave_one_group_out"][model] = logo(data_dir, model, rows, seeds, max_evals, args.workers,
-                                                        args.max_minutes * 60.0, args.group, free)
+                                                        args.max_minutes * 60.0, args.group, free,
+                                                        args.group_weight)
         del table
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".json.tmp")
