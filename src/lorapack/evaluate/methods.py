@@ -38,7 +38,9 @@ class PlaceRequest:
 
 
 class Placer(Protocol):
-    """What the evaluation needs from a placement implementation."""
+    """What the evaluation needs from a placement implementation. Optional beyond these: ``new_workload()``,
+    called when the runner moves on to another workload, so a placer can drop caches shared by that workload's
+    calls (``PlacementPlacer``'s verifiers)."""
 
     def methods(self) -> tuple[str, ...]:
         """Every method name, in report order."""
