@@ -7,8 +7,9 @@ Usage: python bench/fidelity.py [--data-dir DIR] [--out bench/results/fidelity.j
   rebuilt as ``lorapack validate`` does;
 * **leave-one-group-out**: for each model and each of the three rate/rank groups (the middle part of
   ``run_id``), the closed-form priors are re-fitted and the step-time constants refined (exactly as
-  ``lorapack calibrate``) on the runs of the two other groups only, then scored on the held-out group. The
-  pooled row scores all held-out predictions together.
+  ``lorapack calibrate``, with the free constants and group-bias weight the shipped profile records, unless
+  ``--free`` / ``--group-weight`` say otherwise) on the runs of the two other groups only, then scored on the
+  held-out group. The pooled row scores all held-out predictions together.
 
 Scores: SMAPE of throughput, ITL and TTFT (completed-only mean) in both conventions (``smape_*``: paper
 convention, no factor 2; ``smape_*_2x``: usual), starvation agreement overall and on clear runs (real ratio
@@ -33,7 +34,7 @@ from lorapack.calibrate import default_data_dir
 from lorapack.calibrate.command import DEFAULT_MAX_EVALS, DEFAULT_MAX_WALL_S, refine_profile, validate_profile
 from lorapack.calibrate.priors import CALIBRATION_CSV, fit_priors_from, lora_overhead_points
 from lorapack.calibrate.refine import DEFAULT_FREE, FREE_PARAMS, GROUP_BIAS_WEIGHT
-from lorapack.profile import find_profile, load_profile_file
+from lorapack.profile import Profile, find_profile, load_profile_file
 from lorapack.realruns import RunPrediction, read_runs, run_group, score_runs
 
 MODELS = ("llama-3.1-8b-instruct", "qwen-2.5-7b-instruct")
@@ -57,6 +58,14 @@ def _write_rows(path: Path, rows: list[dict]) -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+
+
+def fit_settings(prof: Profile) -> tuple[tuple[str, ...], float]:
+    """The free constants and the group-bias weight ``prof``'s refinement used (its provenance; calibrate's
+    defaults for a profile that does not record them)."""
+    ref = prof.provenance.get("refinement") or {}
+    free = tuple(ref.get("free") or DEFAULT_FREE)
+    return free, float((ref.get("weights") or {}).get("group_bias", GROUP_BIAS_WEIGHT))
 
 
 def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_evals: tuple[int, int],
@@ -114,11 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-logo", action="store_true", help="in-sample scores only")
     ap.add_argument("--model", action="append", choices=MODELS)
     ap.add_argument("--group", action="append", help="leave-one-group-out: hold out only this group (repeatable)")
-    ap.add_argument("--free", default=",".join(DEFAULT_FREE),
-                    help="constants the leave-one-group-out refinement fits (as lorapack calibrate --free)")
-    ap.add_argument("--group-weight", type=float, default=GROUP_BIAS_WEIGHT,
+    ap.add_argument("--free", default=None,
+                    help="constants the leave-one-group-out refinement fits (as lorapack calibrate --free; default: "
+                         "those the shipped profile of the model was fitted with)")
+    ap.add_argument("--group-weight", type=float, default=None,
                     help="weight of each run group's mean throughput error in the leave-one-group-out refinement "
-                         "(as lorapack calibrate --group-weight)")
+                         "(as lorapack calibrate --group-weight; default: the shipped profile's)")
     ap.add_argument("--profile", type=Path, action="append", default=[],
                     help="score this profile file in-sample instead of the shipped one of its model (repeatable)")
     args = ap.parse_args(argv)
@@ -127,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = list(range(args.seeds))
     max_evals = tuple(int(x) for x in args.max_evals.split(","))
     rows_all = read_runs(runs_path)
-    free = tuple(x.strip() for x in args.free.split(",") if x.strip())
-    unknown = [x for x in free if x not in FREE_PARAMS]
+    free_arg = None if args.free is None else tuple(x.strip() for x in args.free.split(",") if x.strip())
+    unknown = [x for x in free_arg or () if x not in FREE_PARAMS]
     if unknown:
         raise SystemExit(f"--free {unknown[0]}: expected names among {', '.join(FREE_PARAMS)}")
     given = {}
@@ -139,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "generated": datetime.now(UTC).replace(microsecond=0).isoformat(), "lorapack_version": __version__,
         "runs": CALIBRATION_CSV, "runs_sha256": hashlib.sha256(runs_path.read_bytes()).hexdigest(),
         "seeds": args.seeds, "lengths": "lognormal (each profile's fitted runs_lengths.cv)",
-        "logo_max_evals": list(max_evals), "logo_free": list(free), "logo_group_weight": args.group_weight,
+        "logo_max_evals": list(max_evals), "logo_free": {}, "logo_group_weight": {},
         "profiles": {m: str(p) for m, p in zip(given, args.profile, strict=True)},
         "conventions": "smape_*: paper convention 100*mean(|y-yhat|/(|y|+|yhat|)); smape_*_2x: usual (factor 2); "
                        "TTFT: completed-only mean; starved_agreement_clear: runs with real throughput ratio "
@@ -154,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         scores["profile_date"] = prof.provenance.get("date")
         result["in_sample"][model] = scores
         if not args.no_logo:
+            free, group_weight = fit_settings(find_profile(model))  # the folds are refitted as the shipped one was
+            free, group_weight = free_arg or free, args.group_weight or group_weight
+            result["logo_free"][model], result["logo_group_weight"][model] = list(free), group_weight
             result["leave_one_group_out"][model] = logo(data_dir, model, rows, seeds, max_evals, args.workers,
                                                         args.max_minutes * 60.0, args.group, free,
-                                                        args.group_weight)
+                                                        group_weight)
         del table
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".json.tmp")

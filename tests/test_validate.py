@@ -155,6 +155,7 @@ def test_small_synthetic_rows(tmp_path: Path) -> None:
     assert rep["rows"]["predicted_oom"] == [False, True, False]
     assert math.isfinite(rep["rows"]["predicted_throughput_tok_s"][0])
     assert all(math.isnan(x) for x in rep["rows"]["predicted_throughput_tok_s"][1:])
+    assert rep["pooled"] is None  # one model scored: nothing to pool
 
 
 # ---- against the real calibration runs -----------------------------------------------------------------
@@ -214,6 +215,11 @@ def test_full_calibration_file(calibration: Path) -> None:
         assert (s["n_ok"], s["n_oom"], s["n_skipped"]) == (n_ok, n_oom, 0)
         assert s["oom_agreement"] == 1.0
         assert all(math.isfinite(s[k]) for k in SUMMARY_KEYS)
+    # the pooled scores count every model's runs: each objective's misses add up over the models
+    for t, a in rep["pooled"]["ttft_objective_agreement"].items():
+        per = [rep["models"][m]["ttft_objective_agreement"][t] for m in (LLAMA, QWEN)]
+        assert a["n"] == sum(p["n"] for p in per) and a["optimistic"] == sum(p["optimistic"] for p in per)
+        assert a["agreement"] * a["n"] == pytest.approx(sum(p["agreement"] * p["n"] for p in per))
     rows = rep["rows"]
     assert len(rows["run_id"]) == 248
     for i, st in enumerate(rows["status"]):

@@ -132,7 +132,8 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
                    models_dir: str | Path | None = None) -> dict:
     """Simulate every row (x seeds) and compare. Returns ``{"models": {...}, "rows": {column: list},
     "skipped": [{"run_id", "model", "reason"}]}``: per model the row counts (``skip_reasons`` counts the
-    skipped rows by reason) plus ``realruns.score_runs``; per row ``realruns.VALIDATE_COLUMNS``.
+    skipped rows by reason) plus ``realruns.score_runs``; per row ``realruns.VALIDATE_COLUMNS``; ``"pooled"``:
+    ``score_runs`` over the scored runs of every model together (None when only one model was scored).
 
     ``profile``: score the runs of its model with it (``validate --profile FILE``; the other rows are
     skipped), instead of the shipped profiles of ``gpu``. Every row is checked and costed (``guards``,
@@ -224,6 +225,10 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
             st["starved_f1"] = macro_f1(st["starvation_confusion"])
         if engine != "twin":
             st["n_out_of_range"] = sum(i in out_of_range for i in sel)
-    return {"engine": engine, "models": summary, "rows": {c: [getattr(t, c) for t in table] for c in VALIDATE_COLUMNS},
+    # every model's scored runs together (the TTFT objective targets count runs, whatever their model)
+    scored_models = {rows[i]["model"] for i in done}
+    pooled = score_runs([rows[i] for i in done], [preds[i] for i in done]) if len(scored_models) > 1 else None
+    return {"engine": engine, "models": summary, "pooled": pooled,
+            "rows": {c: [getattr(t, c) for t in table] for c in VALIDATE_COLUMNS},
             "skipped": [{"run_id": rows[i].get("run_id"), "model": rows[i]["model"], "reason": why}
                         for i, why in sorted(skipped.items())]}

@@ -72,7 +72,8 @@ def validate(
     if out is not None:
         write_csv_atomic(out, report["rows"])
     if json_out:
-        print_json({"models": report["models"], "skipped": report["skipped"]})
+        print_json({"models": report["models"], "skipped": report["skipped"],
+                    **({"pooled": report["pooled"]} if report["pooled"] else {})})
         return
     # one column per model, one row per score: fits 80 columns for the usual one to three models
     how = f"{seeds} seed(s), {lengths} lengths" if engine == "twin" else f"{engine} models, no simulation"
@@ -107,6 +108,10 @@ def validate(
     console.print(t)
     console.print("SMAPE without the factor 2 (0-100, twin.md §4.3); TTFT = completed-only mean; --json adds the "
                   "breakdowns by group and by --max-lora-rank, every TTFT regime and objective (1, 2, 5, 10 s).")
+    if report["pooled"]:
+        ag = report["pooled"]["ttft_objective_agreement"]
+        console.print("all models, mean TTFT <= T agreement (optimistic misses / runs):\n  " + ", ".join(
+            f"{t} s {fmt(a['agreement'], 3)} ({a['optimistic']}/{a['n']})" for t, a in ag.items()), highlight=False)
     for m, s in report["models"].items():
         for why, n in s.get("skip_reasons", {}).items():
             console.print(f"skipped {n} run(s) of {m}: {why}", highlight=False)
