@@ -523,6 +523,21 @@ def test_evaluation_doc_script_fills_the_marked_section(tmp_path, trace_file):
     assert json.loads((tmp_path / "figs" / "results.json").read_text())["scenarios"]
     assert list((tmp_path / "figs").glob("max_pack-*.png"))
 
+    # the same study in two parts (rerun separately) gives the same tables; a scenario in both is refused
+    half = len(doc["scenarios"]) // 2
+    for k, part in enumerate((doc["scenarios"][:half], doc["scenarios"][half:])):
+        names = {x["name"] for x in part}
+        write_outputs({**doc, "scenarios": part, "max_pack": [m for m in doc["max_pack"] if m["scenario"] in names]},
+                      tmp_path / f"part{k}")
+    md2 = tmp_path / "evaluation2.md"
+    md2.write_text("<!-- results:begin -->\n<!-- results:end -->\n")
+    assert mod.main([str(tmp_path / "part0"), str(tmp_path / "part1"), "--doc", str(md2), "--figures",
+                     str(tmp_path / "figs2")]) == 0
+    text2 = md2.read_text()
+    assert "(2 runs, merged)" in text2
+    assert text2.split("\n", 2)[2].replace("figs2/", "figs/") == text.split("<!-- results:begin -->\n", 1)[1].split("\n", 1)[1].rsplit("tail", 1)[0]
+    assert mod.main([str(tmp_path / "part0"), str(tmp_path / "part0"), "--doc", str(md2)]) == 2
+
 
 def test_jobs_give_the_same_results(tmp_path, trace_file, monkeypatch, capsys):
     """--jobs runs workload groups in worker processes (lorapack.executor): same results as in order."""
