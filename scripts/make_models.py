@@ -17,7 +17,9 @@ hand; sweeps resume, so an interrupted run continues where it stopped):
 Timings per stage go to ``src/lorapack/models/make_models.json``. ``--limit K`` runs, of each grid, whole
 N-series of its fixed seeded shuffle of series until at least K configs (``lorapack sweep --limit``: a quick,
 smaller dataset in which N-series pruning acts as in the full grid); ``--workers`` is passed to the sweeps,
-``--jobs`` (default 2) to the training search.
+``--jobs`` (default 2) to the training search. ``--profiles qwen`` rebuilds that profile's models only (the
+others' files stay; the refine stage runs on a staging copy of the retrained models, because ``lorapack refine``
+refines every model of a directory from the sweeps recorded in it).
 ``lorapack sweep --preset paper-llama --boundary-seeds 1 --estimate`` projects the first stage's time.
 """
 
@@ -28,8 +30,10 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +47,27 @@ def run(cmd: list[str], stages: list[dict], name: str) -> None:
     subprocess.run(cmd, check=True)
     stages.append({"stage": name, "command": " ".join(shlex.quote(c) for c in cmd),
                    "wall_s": time.perf_counter() - t0})
+
+
+def refine(lp: list[str], out: Path, sweeps: list[str], pl_args: list[str], stages: list[dict]) -> None:
+    """``lorapack refine`` on the models trained now. It refines every model of a directory from the sweeps
+    recorded in it, so with ``--profiles`` a subset (the other models' sweeps may be gone) it runs on a staging
+    copy of the trained models and the trees are copied back."""
+    trained, others = [], []
+    for report in sorted(out.glob("*__*/train_report.json")):
+        datasets = json.loads(report.read_text()).get("datasets", [])
+        (trained if datasets and set(datasets) <= set(sweeps) else others).append(report.parent)
+    if not others:
+        run([*lp, "refine", str(out), *pl_args], stages, "refine")
+        return
+    with tempfile.TemporaryDirectory(prefix="refine-", dir=out.parent) as tmp:
+        for d in trained:
+            shutil.copytree(d, Path(tmp) / d.name)
+        print(f"(refining {', '.join(d.name for d in trained)} only, in {tmp}; "
+              f"{', '.join(d.name for d in others)} keep their trees)", flush=True)
+        run([*lp, "refine", tmp, *pl_args], stages, "refine")
+        for d in trained:
+            shutil.copy2(Path(tmp) / d.name / "tree.npz", d / "tree.npz")
 
 
 def main() -> None:
@@ -86,7 +111,7 @@ def main() -> None:
     pl_args = [a for p in plike for a in ("--placement-like", p)]
     run([*lp, "train", *sweeps, "--out", str(args.out), "--budget-s", str(args.budget_s), "--jobs", str(args.jobs),
          *pl_args], stages, "train")
-    run([*lp, "refine", str(args.out), *pl_args], stages, "refine")
+    refine(lp, args.out, sweeps, pl_args, stages)
     total = time.perf_counter() - t_all
     for s in stages:
         s["share"] = s["wall_s"] / total
