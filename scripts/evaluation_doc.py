@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     rel = args.figures.resolve().relative_to(args.doc.resolve().parent)
     write_text_atomic(args.figures / "results.json", json.dumps(json_safe(_slim(doc)), indent=1) + "\n")
     skipped = doc.get("skipped") or []
-    walls = " + ".join(f"{p.get('wall_s', 0) / 60:.0f}" for p in parts)
+    walls = " + ".join("?" if p.get("wall_s") is None else f"{p['wall_s'] / 60:.0f}" for p in parts)
     head = (f"{len(doc['scenarios'])} scenarios, {walls} min wall"
             + (f" ({len(parts)} runs, merged)" if len(parts) > 1 else "")
             + (f" (budget {doc['budget_s']:g} s; skipped: {len(skipped)} units)" if doc.get("budget_s") else "")
