@@ -387,8 +387,10 @@ def test_validate_json_and_out(tmp_path: Path) -> None:
     res = invoke("validate", _runs_csv(tmp_path), "--json", "--workers", 1, "--out", out)
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
-    assert set(d) == {"models", "skipped"}
+    assert set(d) == {"models", "skipped", "pooled"}  # pooled: two models scored
     assert set(d["models"]) == {LLAMA, QWEN, "llama-2-7b"}
+    assert d["pooled"]["ttft_objective_agreement"]["2"]["n"] == sum(
+        d["models"][m]["ttft_objective_agreement"]["2"]["n"] for m in (LLAMA, QWEN))
     # a skipped run says why (issue 12), in the list and in its model's counts
     assert [(s["run_id"], s["model"]) for s in d["skipped"]] == [("skip", "llama-2-7b")]
     assert "model 'llama-2-7b': no shipped profile on h100-64gb" in d["skipped"][0]["reason"]
