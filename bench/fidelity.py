@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         result["in_sample"][model] = scores
         if not args.no_logo:
             free, group_weight = fit_settings(find_profile(model))  # the folds are refitted as the shipped one was
-            free, group_weight = free_arg or free, args.group_weight or group_weight
+            free = free_arg or free
+            group_weight = group_weight if args.group_weight is None else args.group_weight  # 0 is a valid weight
             result["logo_free"][model], result["logo_group_weight"][model] = list(free), group_weight
             result["leave_one_group_out"][model] = logo(data_dir, model, rows, seeds, max_evals, args.workers,
                                                         args.max_minutes * 60.0, args.group, free,
