@@ -409,6 +409,9 @@ def test_validate_json_and_out(tmp_path: Path) -> None:
     assert {"predicted_throughput_tok_s", "predicted_itl_ms", "predicted_ttft_ms", "predicted_starved"} <= set(
         reader.fieldnames)
     assert [r["run_id"] for r in rows] == ["ok1", "ok2", "oom1"]
+    # the mean running batch, measured and simulated (the feedback of step time on batch size, docs/calibration.md)
+    assert float(rows[0]["predicted_running_mean"]) > 0
+    assert rows[2]["predicted_running_mean"] in ("", "nan")  # an oom run is not simulated
 
 
 def test_validate_human_table(tmp_path: Path) -> None:

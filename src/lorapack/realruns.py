@@ -394,7 +394,8 @@ VALIDATE_COLUMNS = ("run_id", "model", "status", "measured_oom", "predicted_oom"
                     "predicted_ttft_ms", "measured_starved", "predicted_starved", "measured_throughput_ratio",
                     "predicted_throughput_ratio", "group", "max_loras", "n_adapters", "max_lora_rank",
                     "measured_ttft_median_ms", "predicted_ttft_median_ms", "measured_ttft_p99_ms",
-                    "predicted_ttft_p99_ms", "measured_itl_p99_ms", "predicted_itl_p99_ms")
+                    "predicted_ttft_p99_ms", "measured_itl_p99_ms", "predicted_itl_p99_ms",
+                    "measured_running_mean", "predicted_running_mean")
 
 
 def compare_runs(rows: Sequence[dict], preds: Sequence[RunPrediction]) -> list[RunComparison]:
