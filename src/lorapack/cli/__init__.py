@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Annotated
 
@@ -43,17 +44,18 @@ def _main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks o
     _DEBUG["on"] = debug
 
 
-app.command("simulate")(simulate.simulate)
-app.command("validate")(validate.validate)
-app.command("profiles")(profiles.profiles)
-app.command("demo")(demo.demo)
-app.command("sweep")(sweep.sweep)
-app.command("calibrate")(calibrate.calibrate)
-app.command("train")(train.train)
-app.command("refine")(refine_trees.refine)
-app.command("explain")(explain.explain)
-app.command("place")(place.place)
-app.command("evaluate")(evaluate.evaluate)
+def _command(name: str, fn: Callable[..., None]) -> None:
+    """Register ``fn`` as ``lorapack NAME``; the command list shows its docstring's first paragraph as one
+    line (typer would keep the docstring's line breaks there and wrap the rest raggedly)."""
+    first = (fn.__doc__ or "").strip().split("\n\n")[0]
+    app.command(name, short_help=" ".join(first.split()))(fn)
+
+
+for _name, _fn in (("simulate", simulate.simulate), ("validate", validate.validate), ("profiles", profiles.profiles),
+                   ("demo", demo.demo), ("sweep", sweep.sweep), ("calibrate", calibrate.calibrate),
+                   ("train", train.train), ("refine", refine_trees.refine), ("explain", explain.explain),
+                   ("place", place.place), ("evaluate", evaluate.evaluate)):
+    _command(_name, _fn)
 
 
 def _show_warnings() -> None:
