@@ -227,6 +227,10 @@ def features(cands: Sequence[GpuCandidate]) -> np.ndarray:
     return out
 
 
+# a candidate whose predicted probability of starving reaches this is not served (``Prediction.serves``)
+STARVED_PROBABILITY = 0.5
+
+
 @dataclass(frozen=True)
 class Prediction:
     """An oracle's answer for one candidate.
@@ -259,7 +263,7 @@ class Prediction:
     def throughput_ratio(self) -> float:
         return self.throughput_tok_s / self.incoming_tok_s if self.incoming_tok_s > 0 else NAN
 
-    def serves(self, max_starved: float = 0.5) -> bool:
+    def serves(self, max_starved: float = STARVED_PROBABILITY) -> bool:
         """Starts and is not predicted starved (run level, and per adapter where known)."""
         if not self.fits or not self.starved < max_starved:
             return False

@@ -143,6 +143,7 @@ def place(
 
 
 def _render(plan, files: list[Path]) -> None:
+    from ..oracle import STARVED_PROBABILITY
     from ..placement import N_MAX
 
     # fits 80 columns: headers on two lines, the two vLLM flags in one column (values "A / S"), one space apart
@@ -154,8 +155,12 @@ def _render(plan, files: list[Path]) -> None:
         t.add_column(col, justify="left" if col in ("binding",) else "right", no_wrap=True)
     for gi, g in enumerate(plan.gpus):
         m = g.verified or g.predicted
-        starved = "-" if m is None else ("[red]yes[/red]" if (m.starved or 0) > 0 or m.starved_adapters
-                                         else "[green]no[/green]")
+        if m is None:
+            starved = "-"
+        else:  # verified: the share of seeds starved, any is too many; predicted: the oracle's probability
+            p = m.starved or 0.0
+            hit = (p > 0.0 if g.verified is not None else p >= STARVED_PROBABILITY) or bool(m.starved_adapters)
+            starved = "[red]yes[/red]" if hit else "[green]no[/green]"
         t.add_row(str(gi), str(len(g.adapters)), f"{g.max_loras} / {g.max_lora_rank}", fmt(g.incoming_tok_s, 0),
                   fmt(g.verified.throughput_tok_s, 0) if g.verified else "-",
                   fmt(m.ttft_s, 2) if m else "-", fmt(m.itl_ms, 1) if m else "-", starved, g.binding)
@@ -177,6 +182,11 @@ def _render(plan, files: list[Path]) -> None:
     if c and c.get("accepted"):
         lines.insert(2, f"consolidated from {c['gpus_before']} to {c['gpus_after']} GPUs ({c.get('origin')} "
                         f"arrangement, verified like the rest)")
+    padded = [f"{i} ({g.predicted.tested_adapters})" for i, g in enumerate(plan.gpus) if g.verified is None
+              and g.predicted is not None and (g.predicted.tested_adapters or 0) > len(g.adapters)]
+    if padded:
+        lines.insert(2, f"not verified: TTFT and ITL are the oracle's for the candidate it tested; GPU(s) "
+                        f"{', '.join(padded)} were tested padded to that many adapters (a heavier load)")
     beyond = [i for i, g in enumerate(plan.gpus) if len(g.adapters) > N_MAX]
     if beyond:
         lines.insert(2, f"[yellow]GPU(s) {', '.join(map(str, beyond))} host more than {N_MAX} adapters, beyond the "

@@ -276,8 +276,8 @@ def _normalise(inst: Instance, fills: list[GpuFill]) -> list[GpuFill]:
     return out
 
 
-def _metrics(p: Prediction | None, inst: Instance, entries: list[int], verdict: Verdict | None = None
-             ) -> GpuMetrics | None:
+def _metrics(p: Prediction | None, inst: Instance, entries: list[int], verdict: Verdict | None = None,
+             tested_adapters: int | None = None) -> GpuMetrics | None:
     if p is None:
         return None
     per_seed = []
@@ -291,7 +291,8 @@ def _metrics(p: Prediction | None, inst: Instance, entries: list[int], verdict: 
                       ttft_s=p.ttft_s, ttft_p99_s=p.ttft_p99_s, itl_p99_ms=p.itl_p99_ms, starved=p.starved,
                       starved_adapters=starved_ids, fits=p.fits, seeds=p.seeds, per_seed=per_seed,
                       passed=None if verdict is None else verdict.passed,
-                      detail="" if verdict is None else verdict.detail)
+                      detail="" if verdict is None else verdict.detail,
+                      tested_adapters=tested_adapters if tested_adapters != len(entries) else None)
 
 
 def build_plan(method: str, inst: Instance, profile: Profile, fills: list[GpuFill],
@@ -313,7 +314,8 @@ def build_plan(method: str, inst: Instance, profile: Profile, fills: list[GpuFil
             max_cpu_loras=max(len(f.entries), a), max_num_seqs=profile.max_num_seqs,
             max_num_batched_tokens=profile.max_num_batched_tokens, max_model_len=profile.max_model_len,
             incoming_tok_s=float(rates.sum()) * inst.tokens_per_request,
-            predicted=None if v is not None and f.prediction is v.prediction else _metrics(f.prediction, inst, f.entries),
+            predicted=None if v is not None and f.prediction is v.prediction else _metrics(
+                f.prediction, inst, f.entries, tested_adapters=f.extra.get("tested_at")),
             verified=_metrics(v.prediction, inst, f.entries, v) if v is not None else None,
             binding=binding))
     return Plan(method=method, model=profile.model, gpu_type=profile.gpu, gpus=gpus)

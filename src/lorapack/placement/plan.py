@@ -36,6 +36,10 @@ class GpuMetrics:
     per_seed: list[dict] = field(default_factory=list)  # verified: what each seed's twin run measured
     passed: bool | None = None  # verified: meets the objective in every seed (None: not judged)
     detail: str = ""  # why it failed, when it did
+    # predicted: adapters in the candidate the oracle answered for. The greedy tests a GPU's last adapters padded
+    # up to its testing point (placement.md §4.1), so this can exceed the GPU's own count, and incoming_tok_s,
+    # TTFT and ITL then describe the padded test (a heavier load), not the GPU. None: the GPU's own adapters.
+    tested_adapters: int | None = None
 
 
 @dataclass
@@ -123,7 +127,7 @@ def _json_safe(x: Any) -> Any:
 def _metrics(d: dict | None) -> GpuMetrics | None:
     if d is None:
         return None
-    keep_none = {"starved_adapters", "per_seed", "passed", "detail"}
+    keep_none = {"starved_adapters", "per_seed", "passed", "detail", "tested_adapters"}
     return GpuMetrics(**{k: (NAN if v is None and k not in keep_none else v) for k, v in d.items()})
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import SpecError
-from ..oracle import GpuCandidate, Prediction
+from ..oracle import STARVED_PROBABILITY, GpuCandidate, Prediction
 from ..profile import VLLM_LORA_RANKS, Profile
 
 # The default latency objective (documented in docs/placement.md and `lorapack place --help`): the mean
@@ -83,7 +83,7 @@ class Objective:
         does not start), ``throughput`` (starved: the paper's label or an adapter starved) or ``latency``."""
         if not p.fits:
             return "memory"
-        if not p.starved < 0.5 or p.adapter_starved >= 0.5:  # NaN adapter_starved (unknown) passes
+        if not p.starved < STARVED_PROBABILITY or p.adapter_starved >= STARVED_PROBABILITY:  # NaN (unknown) passes
             return "throughput"
         if self.latency_violations(p.ttft_s, p.itl_ms, p.ttft_p99_s, p.itl_p99_ms):
             return "latency"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..oracle import GpuCandidate, Oracle, Prediction, default_slot_rank
+from ..oracle import STARVED_PROBABILITY, GpuCandidate, Oracle, Prediction, default_slot_rank
 from ..profile import Profile
 from .greedy import GpuFill, GreedyOptions, Infeasible, MemoryRule, fit_slots, greedy_fill, slot_candidates
 from .problem import Instance, Objective
@@ -54,7 +54,7 @@ def judge(objective: Objective, cand: GpuCandidate, entries: list[int], p: Predi
         return Verdict(False, "memory", p, detail=f"vLLM does not start ({p.error_type})")
     runs = p.extra.get("runs") or []
     starved = sorted({entries[i] for r in runs for i in (r.get("starved_adapter_indices") or [])})
-    if any(bool(r.get("starved")) for r in runs) or p.starved >= 0.5:
+    if any(bool(r.get("starved")) for r in runs) or p.starved >= STARVED_PROBABILITY:
         n = sum(bool(r.get("starved")) for r in runs)
         return Verdict(False, _starved_why(cand), p, starved, f"starved in {n} of {len(runs)} seeds")
     if starved or p.adapter_starved > 0:
