@@ -38,6 +38,14 @@ def data_dir_available(path: str | Path | None = None) -> bool:
     return (p / "profiling").is_dir()
 
 
-from .priors import fit_priors  # noqa: E402  (after the helpers: priors does not import them)
+def __getattr__(name: str):
+    # ``fit_priors`` on first use: priors imports scipy.optimize, which every CLI command would pay for
+    # (``lorapack.cli`` reaches this package for the calibrate command's defaults)
+    if name == "fit_priors":
+        from .priors import fit_priors
+
+        return fit_priors
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["DATA_ENV_VAR", "data_dir_available", "default_data_dir", "fit_priors"]
