@@ -103,8 +103,11 @@ def main() -> None:
         usage, aborts = _click_exception_types()
         if isinstance(e, aborts):
             sys.exit(130)
-        if isinstance(e, usage):
-            e.show()
+        if isinstance(e, usage):  # click's message on one line, like lorapack's own errors
+            ctx = getattr(e, "ctx", None)
+            where = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
+            err_console.print(f"[red]error:[/red] {escape(' '.join(e.format_message().split()))}{where}",
+                              highlight=False, soft_wrap=True)
             sys.exit(2)
         raise
 
