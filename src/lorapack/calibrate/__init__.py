@@ -38,7 +38,7 @@ def data_dir_available(path: str | Path | None = None) -> bool:
     return (p / "profiling").is_dir()
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     # ``fit_priors`` on first use: priors imports scipy.optimize, which every CLI command would pay for
     # (``lorapack.cli`` reaches this package for the calibrate command's defaults)
     if name == "fit_priors":
