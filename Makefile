@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint profiles bench models evaluate clean
+.PHONY: setup demo test test-slow test-real testbed lint profiles bench models evaluate clean
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (set PY=python3.x, x >= 11)"; exit 2; }
@@ -18,9 +18,14 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/lorapack demo
 
+# Test tiers (docs/testbed.md): `test` is the README's fast suite (<= 4 min on 2 idle cores); `test-slow` the
+# heavy tests (whole-file re-simulations, long sweeps); `test-real` the tests against a real vLLM (the testbed).
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench scripts
-	$(BIN)/python -m pytest -x -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -x -p no:cacheprovider -m "not slow and not real" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -x -p no:cacheprovider -m "slow and not real" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench scripts
