@@ -69,10 +69,10 @@ def test_place_writes_plan_serve_and_routes(tmp_path, monkeypatch, capsys) -> No
             assert f in flags, f
         assert words[words.index("--max-loras") + 1] == str(g["max_loras"])
         assert any(w.startswith("CUDA_VISIBLE_DEVICES=") for w in words)
-        mods = words[words.index("--lora-modules") + 1:]
-        assert [m.split("=", 1)[0] for m in mods] == g["adapters"]  # registration order
-    assert "'a0=/lora/a0'" in text or "a0=/lora/a0" in text
-    assert "no-path=" in text and '"$LORA_DIR"' in text
+        mods = [json.loads(m) for m in words[words.index("--lora-modules") + 1:]]  # vLLM's JSON form
+        assert [m["name"] for m in mods] == g["adapters"]  # registration order
+        assert all(m["path"] == ("$LORA_DIR_JSON/no-path" if m["name"] == "no-path" else f"/lora/{m['name']}")
+                   for m in mods)
     if shutil.which("bash"):
         assert subprocess.run(["bash", "-n", str(out / "serve.sh")]).returncode == 0
 

@@ -3,13 +3,22 @@ every flag the twin assumed) and ``routes.json`` (adapter -> ``[{gpu, url, weigh
 
 Only flags of ``VLLM_SERVE_FLAGS`` are emitted: every one exists in vLLM ``VLLM_VERSION`` (engine arguments
 ``--enable-lora --max-loras --max-lora-rank --max-cpu-loras --max-num-seqs --max-num-batched-tokens
---max-model-len``; OpenAI-server arguments ``--host --port --lora-modules name=path ...``, checked against the
-vLLM 0.8.5 ``vllm serve`` argument list). The model is the positional argument of ``vllm serve``; the device is
-the ``CUDA_VISIBLE_DEVICES`` environment variable of each line.
+--max-model-len --gpu-memory-utilization --no-enable-prefix-caching``; OpenAI-server arguments ``--host --port
+--lora-modules``, checked against the vLLM 0.8.5 sources: ``vllm/engine/arg_utils.py``,
+``vllm/entrypoints/openai/cli_args.py``). Besides the plan's own values, ``serve.sh`` pins what the shipped
+profiles were measured with (``MEASURED_GPU_MEMORY_UTILIZATION``, ``MEASURED_PREFIX_CACHING``, ``VLLM_ENV``),
+since vLLM's defaults differ. The model is the positional argument of ``vllm serve``; the device is the
+``CUDA_VISIBLE_DEVICES`` environment variable of each line.
+
+``--lora-modules`` takes one JSON object ``{"name": ID, "path": PATH}`` per adapter (vLLM's
+``LoRAParserAction``; the ``name=path`` form breaks on ids or paths with ``=`` or ``,``), each one shell word.
 
 GPU ``g`` runs on node ``g // gpus_per_node`` as device ``g % gpus_per_node``, port ``base_port + device``.
-``serve.sh`` starts every GPU of the plan, or only node ``$NODE``'s when that variable is set; adapters
-without a ``path`` in the workload are loaded from ``$LORA_DIR/<id>``.
+``serve.sh`` starts every GPU of the plan, or only node ``$NODE``'s when that variable is set, each server in
+the background with its own log (``$LOG_DIR/gpu<g>.log``, default ``logs/`` beside the script), listening on
+``$BIND_HOST`` (default ``0.0.0.0``); adapters without a ``path`` in the workload are loaded from
+``$LORA_DIR/<id>``. It waits on every server's PID: when one exits, it stops the others and exits non-zero;
+SIGINT / SIGTERM stop every server.
 """
 
 from __future__ import annotations
@@ -24,11 +33,25 @@ from ..errors import SpecError
 from .plan import Plan
 
 VLLM_VERSION = "0.8.5"
-# every flag serve.sh may contain; all accepted by `vllm serve` in VLLM_VERSION
+# every flag serve.sh may contain; all accepted by `vllm serve` in VLLM_VERSION (--enable-prefix-caching and
+# --no-enable-prefix-caching: argparse.BooleanOptionalAction, from get_kwargs in vllm/engine/arg_utils.py)
 VLLM_SERVE_FLAGS: tuple[str, ...] = (
     "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--max-num-seqs",
-    "--max-num-batched-tokens", "--max-model-len", "--host", "--port", "--lora-modules",
+    "--max-num-batched-tokens", "--max-model-len", "--gpu-memory-utilization", "--enable-prefix-caching",
+    "--no-enable-prefix-caching", "--host", "--port", "--lora-modules",
 )
+# How the measurements behind the shipped profiles were taken (research data README, section 1.1: H100 64 GB,
+# vLLM 0.8.5 V1, `gpu_memory_utilization = 0.9`, prefix caching off). Profiles have no field for these, so
+# they are pinned here: the KV capacity of a profile holds only at this memory fraction, and vLLM's V1 engine
+# turns prefix caching on by default (EngineArgs._set_default_args_v1), which the twin does not model.
+MEASURED_GPU_MEMORY_UTILIZATION = 0.9
+MEASURED_PREFIX_CACHING = False
+# Environment of every server. VLLM_USE_V1=1: the V1 engine the profiles were measured with; set explicitly,
+# vLLM 0.8.5 raises instead of silently falling back to V0 for a feature V1 lacks (_raise_or_fallback), and
+# V0 would not enable chunked prefill with LoRA, refusing a token budget below --max-model-len.
+VLLM_ENV: tuple[tuple[str, str], ...] = (("VLLM_USE_V1", "1"),)
+# seconds serve.sh waits for servers to exit after SIGTERM before it sends SIGKILL (default of $STOP_GRACE_S)
+STOP_GRACE_S = 30
 # Hugging Face ids of the profiles' models (serve.sh's default $MODEL)
 HF_MODEL_IDS = {
     "llama-3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct",
@@ -77,9 +100,13 @@ class Endpoints:
 
 
 def _lora_module(adapter_id: str, paths: dict[str, str]) -> str:
+    """One ``--lora-modules`` value, ``{"name": ID, "path": PATH}``, as one shell word. Without a path in the
+    workload, PATH is ``$LORA_DIR/<id>``, expanded by the shell (``$LORA_DIR_JSON``: $LORA_DIR escaped for JSON)."""
     if adapter_id in paths:
-        return shlex.quote(f"{adapter_id}={paths[adapter_id]}")
-    return shlex.quote(f"{adapter_id}=") + '"$LORA_DIR"/' + shlex.quote(adapter_id)
+        return shlex.quote(json.dumps({"name": adapter_id, "path": paths[adapter_id]}, ensure_ascii=False))
+    name = json.dumps(adapter_id, ensure_ascii=False)
+    return (shlex.quote(f'{{"name": {name}, "path": "') + '"$LORA_DIR_JSON"'
+            + shlex.quote(f'/{name[1:-1]}"}}'))
 
 
 def serve_args(plan: Plan, gpu: int, paths: dict[str, str], endpoints: Endpoints = Endpoints()) -> list[str]:
@@ -90,35 +117,103 @@ def serve_args(plan: Plan, gpu: int, paths: dict[str, str], endpoints: Endpoints
             "--max-num-batched-tokens", str(g.max_num_batched_tokens)]
     if g.max_model_len is not None:
         args += ["--max-model-len", str(g.max_model_len)]
-    args += ["--host", "0.0.0.0", "--port", str(endpoints.port(gpu)), "--lora-modules"]
+    args += ["--gpu-memory-utilization", str(MEASURED_GPU_MEMORY_UTILIZATION),
+             "--enable-prefix-caching" if MEASURED_PREFIX_CACHING else "--no-enable-prefix-caching",
+             "--host", '"$BIND_HOST"', "--port", str(endpoints.port(gpu)), "--lora-modules"]
     args += [_lora_module(a, paths) for a in g.adapters]  # registration order: the last ones start resident
     return args
+
+
+# serve.sh after its header and settings: the helpers, then (after the launch lines) the supervision loop
+_SERVE_HELPERS = r"""
+# $LORA_DIR inside a JSON string (the --lora-modules of adapters without a path)
+json_escape() { local s=${1//\\/\\\\}; s=${s//\"/\\\"}; s=${s//$'\t'/\\t}; s=${s//$'\n'/\\n}; printf '%s' "$s"; }
+LORA_DIR_JSON=$(json_escape "$LORA_DIR")
+
+pids=() gpus=()
+# launch NODE GPU COMMAND...: when node NODE is selected, run COMMAND in the background, output to its log
+launch() {
+  local node=$1 gpu=$2; shift 2
+  if [ "$NODE" = all ] || [ "$NODE" = "$node" ]; then
+    "$@" >"$LOG_DIR/gpu$gpu.log" 2>&1 &
+    pids+=("$!") gpus+=("$gpu")
+    echo "GPU $gpu: PID $!, log $LOG_DIR/gpu$gpu.log"
+  fi
+}
+running() { local pid; for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && return 0; done; return 1; }
+# stop every server: SIGTERM, then SIGKILL to those still running after STOP_GRACE_S seconds
+stop() {
+  local t
+  [ ${#pids[@]} -gt 0 ] || return 0
+  kill -TERM "${pids[@]}" 2>/dev/null
+  for ((t = 0; t < 5 * STOP_GRACE_S; t++)); do running || return 0; sleep 0.2; done
+  kill -KILL "${pids[@]}" 2>/dev/null
+}
+trap 'echo "serve.sh: interrupted, stopping every server" >&2; stop; exit 130' INT
+trap 'echo "serve.sh: terminated, stopping every server" >&2; stop; exit 143' TERM
+"""
+
+_SERVE_SUPERVISE = r"""
+if [ ${#pids[@]} -eq 0 ]; then
+  echo "serve.sh: NODE=$NODE selects no GPU of this plan (its GPUs run on nodes: {nodes})" >&2
+  exit 2
+fi
+# A server runs until it is stopped: the first one to exit ends the deployment.
+while :; do
+  for i in "${!pids[@]}"; do
+    if ! kill -0 "${pids[i]}" 2>/dev/null; then
+      wait "${pids[i]}"
+      status=$?
+      echo "serve.sh: GPU ${gpus[i]}'s server (PID ${pids[i]}) exited with status $status" \
+        "(log: $LOG_DIR/gpu${gpus[i]}.log); stopping the others" >&2
+      stop
+      exit $((status == 0 ? 1 : status))
+    fi
+  done
+  sleep 1 &
+  wait $!
+done
+"""
 
 
 def serve_script(plan: Plan, paths: dict[str, str] | None = None, endpoints: Endpoints = Endpoints()) -> str:
     paths = paths or {}
     model = HF_MODEL_IDS.get(plan.model, plan.model)
+    nodes = sorted({endpoints.node(gi) for gi, g in enumerate(plan.gpus) if g.adapters})
+    prefix = "on" if MEASURED_PREFIX_CACHING else "off"
     lines = [
         "#!/usr/bin/env bash",
         f"# Generated by lorapack {__version__}: method {plan.method}, {plan.model} on {plan.gpu_type}, "
         f"{plan.gpus_used} GPU(s) (lower bound {plan.lower_bound_gpus}).",
-        f"# One `vllm serve` per GPU with the flags the twin assumed (vLLM {VLLM_VERSION}).",
-        "# NODE=k starts only node k's GPUs (GPU g runs on node g // "
-        f"{endpoints.gpus_per_node}, device g % {endpoints.gpus_per_node}); unset: every GPU.",
-        "set -euo pipefail",
+        f"# One `vllm serve` per GPU with the flags the twin assumed (vLLM {VLLM_VERSION}), run with what the",
+        f"# profile was measured with: V1 engine, --gpu-memory-utilization {MEASURED_GPU_MEMORY_UTILIZATION}, "
+        f"prefix caching {prefix}.",
+        "# Environment: MODEL; LORA_DIR (adapters without a path load from $LORA_DIR/<id>); BIND_HOST (address",
+        "# the servers listen on); LOG_DIR (one log per server, gpu<g>.log); NODE=k (only node k's GPUs: GPU g",
+        f"# runs on node g // {endpoints.gpus_per_node} as device g % {endpoints.gpus_per_node}; unset: every GPU).",
+        "# The servers run in the background; when one exits, the others are stopped and serve.sh exits non-zero.",
+        "# Ctrl-C / SIGTERM stop every server.",
+        "set -u",
         f'MODEL="${{MODEL:-{model}}}"',
-        'LORA_DIR="${LORA_DIR:-./adapters}"  # weights of adapters without a path in the workload',
+        'LORA_DIR="${LORA_DIR:-./adapters}"',
+        'BIND_HOST="${BIND_HOST:-0.0.0.0}"  # 127.0.0.1: this machine only',
+        'LOG_DIR="${LOG_DIR:-$(dirname -- "$0")/logs}"',
         'NODE="${NODE:-all}"',
-        'launch() { local node=$1; shift; if [ "$NODE" = all ] || [ "$NODE" = "$node" ]; then "$@" & fi; }',
-        "",
+        f'STOP_GRACE_S="${{STOP_GRACE_S:-{STOP_GRACE_S}}}"  # seconds between SIGTERM and SIGKILL when stopping',
+        'mkdir -p -- "$LOG_DIR" || exit 1',
+        _SERVE_HELPERS,
     ]
+    env = [f"{k}={shlex.quote(v)}" for k, v in VLLM_ENV]
     for gi, g in enumerate(plan.gpus):
+        if not g.adapters:  # vLLM refuses --lora-modules without a value; the plan routes nothing here
+            lines.append(f"# GPU {gi}: no adapters, not started")
+            continue
         lines.append(f"# GPU {gi}: {len(g.adapters)} adapters, {g.incoming_tok_s:,.0f} tok/s offered, "
                      f"binding: {g.binding}")
-        words = ["launch", str(endpoints.node(gi)), "env", f"CUDA_VISIBLE_DEVICES={endpoints.device(gi)}",
-                 "vllm", "serve", '"$MODEL"', *serve_args(plan, gi, paths, endpoints)]
+        words = ["launch", str(endpoints.node(gi)), str(gi), "env", f"CUDA_VISIBLE_DEVICES={endpoints.device(gi)}",
+                 *env, "vllm", "serve", '"$MODEL"', *serve_args(plan, gi, paths, endpoints)]
         lines.append(" ".join(words))
-    lines += ["", "wait", ""]
+    lines.append(_SERVE_SUPERVISE.replace("{nodes}", ", ".join(map(str, nodes)) or "none"))
     return "\n".join(lines)
 
 
