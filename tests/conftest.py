@@ -25,3 +25,42 @@ def calibration(data_dir: Path) -> Path:
     if not p.is_file():
         pytest.skip(f"{p} not found")
     return p
+
+
+@pytest.fixture(scope="session")
+def calibration_sim(calibration: Path):
+    """``realruns.simulate_run``, memoized for the session and pre-filled with every simulable run of
+    ``real-runs/calibration.csv`` (seed 0, the default lengths, the shipped profile of its model), simulated
+    once on all cores. The slow tests that re-score the whole file (test_validate, test_fidelity_guard,
+    test_twin_trust) share it instead of simulating the file three times; ``run_validation`` still does all
+    of its own reading, checking and scoring (patch ``lorapack.validate.simulate_run`` with it and pass
+    ``workers=1``: the in-process path calls the patched name).
+
+    A call is answered from the memo only when its profile, row and every other argument equal those of the
+    memoized simulation (the simulations are deterministic); any other call simulates."""
+    from lorapack.executor import Executor
+    from lorapack.profile import available_profiles, find_profile
+    from lorapack.realruns import read_runs, simulate_run, startup_prediction
+
+    memo: dict[tuple, object] = {}
+
+    def key(profile, row: dict, seed: int = 0, lengths: str = "lognormal", cv=None, client_cap=None,
+            limits=None) -> tuple:
+        return (profile.model_dump_json(), tuple(sorted(row.items())), seed, lengths, cv, client_cap,
+                None if limits is None else repr(limits))
+
+    def sim(*args, **kwargs):
+        k = key(*args, **kwargs)
+        if k not in memo:
+            memo[k] = simulate_run(*args, **kwargs)
+        return memo[k]
+
+    shipped = {m for g, m, _ in available_profiles() if g == "h100-64gb"}
+    profiles = {m: find_profile(m) for m in shipped}
+    jobs = [(profiles[r["model"]], r, 0) for r in read_runs(calibration)
+            if r["model"] in profiles and startup_prediction(profiles[r["model"]], r) is None
+            and r["rate_counts"].strip() and r["rank_counts"].strip()]
+    with Executor(0) as ex:
+        for i, out in ex.imap(simulate_run, jobs):
+            memo[key(*jobs[i])] = out
+    return sim

@@ -199,10 +199,26 @@ def expected_valid(t, a, p, o) -> bool:
     return True
 
 
+API_ARRAYS = dict(arrays=request_arrays(), entry=st.sampled_from(["simulate_requests", "simulate_fast", "Engine",
+                                                                  "sorted"]),
+                  max_loras=st.integers(1, N_ADAPTERS), duration_s=st.sampled_from([5.0, 30.0]))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**API_ARRAYS)
+def test_api_random_arrays_quick(worker: Worker, arrays, entry: str, max_loras: int, duration_s: float) -> None:
+    """The fast tier's sample; the 60 examples of the next test run in the slow tier."""
+    check_api_outcome(worker, arrays, entry, max_loras, duration_s)
+
+
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(arrays=request_arrays(), entry=st.sampled_from(["simulate_requests", "simulate_fast", "Engine", "sorted"]),
-       max_loras=st.integers(1, N_ADAPTERS), duration_s=st.sampled_from([5.0, 30.0]))
+@given(**API_ARRAYS)
 def test_api_random_arrays(worker: Worker, arrays, entry: str, max_loras: int, duration_s: float) -> None:
+    check_api_outcome(worker, arrays, entry, max_loras, duration_s)
+
+
+def check_api_outcome(worker: Worker, arrays, entry: str, max_loras: int, duration_s: float) -> None:
     reply = worker.call({"kind": "api", "entry": entry, "arrays": arrays, "ranks": [8, 16, 8],
                          "max_loras": max_loras, "duration_s": duration_s}, 60.0)
     # RequestArrays.sorted repairs the order, and only the order
@@ -316,7 +332,17 @@ def check_cli_outcome(worker: Worker, argv: list[str]) -> None:
                    for m in made), (argv, made)
 
 
-# one strategy per command (a shared one drew simulate for 1 example in 5), 40 random combinations each
+# one strategy per command (a shared one drew simulate for 1 example in 5), 40 random combinations each (slow
+# tier; the fast tier draws 10 each)
+@pytest.mark.parametrize("cmd", sorted(OPTIONS))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_cli_random_options_quick(worker: Worker, cmd: str, data) -> None:
+    check_cli_outcome(worker, data.draw(cli_argv(cmd), label="argv"))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", sorted(OPTIONS))
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])

@@ -34,6 +34,14 @@ def test_corner_cases(case):
     assert_equivalent(case)
 
 
+@settings(max_examples=40, **SETTINGS)
+@given(params=case_params())
+def test_random_small_configs_quick(params):
+    """The fast tier's sample of random small configurations; the 250 of the next test run in the slow tier."""
+    assert_equivalent(build_case(params))
+
+
+@pytest.mark.slow
 @settings(max_examples=250, **SETTINGS)
 @given(params=case_params())
 def test_random_small_configs(params):

@@ -185,9 +185,7 @@ def check_trace(case: Case, res: EngineResult, tr) -> None:
     assert tr.max_running <= cfg.max_num_seqs and tr.max_u_step <= cfg.max_loras
 
 
-@settings(max_examples=150, **SETTINGS)
-@given(params=case_params())
-def test_reference_invariants_and_conservation(params):
+def _check_reference_invariants_and_conservation(params) -> None:
     case = build_case(params)
     res, tr = run_reference(case.cfg, case.req, check_invariants=True, record_steps=True)
     try:
@@ -195,6 +193,20 @@ def test_reference_invariants_and_conservation(params):
         check_result_properties(case, res)
     except AssertionError as e:
         raise AssertionError(f"{e}\n{describe_case(case)}") from e
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(params=case_params())
+def test_reference_invariants_and_conservation_quick(params):
+    """The fast tier's sample; the 150 examples of the next test run in the slow tier."""
+    _check_reference_invariants_and_conservation(params)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, **SETTINGS)
+@given(params=case_params())
+def test_reference_invariants_and_conservation(params):
+    _check_reference_invariants_and_conservation(params)
 
 
 @pytest.mark.parametrize("case", corner_cases(), ids=lambda c: c.name)

@@ -407,6 +407,7 @@ def _untimed(x):
     return x
 
 
+@pytest.mark.slow  # ~10 s: two full evaluations with twin verification
 def test_the_verifier_is_shared_across_protocols_without_changing_a_verdict(tmp_path, trace_file):
     """One twin verifier per workload: the fixed-pool run of a greedy method re-verifies the same plan from the
     shared answers (0 simulations), and every result equals a run with a fresh verifier per call."""

@@ -56,9 +56,9 @@ def _write(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def _check(model: str, runs: Path, recorded: dict) -> None:
+def _check(model: str, runs: Path, recorded: dict, workers: int = 0) -> None:
     prof = find_profile(model)
-    now = run_validation(runs, profile=prof, progress=False, workers=0)["models"][model]
+    now = run_validation(runs, profile=prof, progress=False, workers=workers)["models"][model]
     bad = regressions(recorded, now)
     assert not bad, f"{model}: the twin lost fidelity on {runs.name}:\n  " + "\n  ".join(bad)
 
@@ -73,8 +73,9 @@ def test_fidelity_on_the_guard_quarter(model, calibration, tmp_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", [LLAMA, QWEN])
-def test_fidelity_on_all_calibration_runs(model, calibration) -> None:
-    _check(model, calibration, find_profile(model).provenance["validation"]["refined"])
+def test_fidelity_on_all_calibration_runs(model, calibration, calibration_sim, monkeypatch) -> None:
+    monkeypatch.setattr("lorapack.validate.simulate_run", calibration_sim)  # the session's simulations (conftest)
+    _check(model, calibration, find_profile(model).provenance["validation"]["refined"], workers=1)
 
 
 def test_the_guard_catches_a_regression() -> None:

@@ -364,6 +364,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow  # ~10 s; the fast tier keeps test_resume_after_a_crash_gives_the_uninterrupted_rows
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc (Linux)")
 def test_sigkill_of_the_main_process_alone_then_resume_gives_every_row_once(tmp_path):
     text = TINY.replace("served_adapters: [8, 16, 32]", "served_adapters: [8, 16, 32, 48, 64]").replace(
@@ -404,8 +405,10 @@ def test_sigkill_of_the_main_process_alone_then_resume_gives_every_row_once(tmp_
 # backends
 
 
+@pytest.mark.slow  # starting a local Ray takes ~10 s; the fast tier keeps the unreachable-address test
 def test_local_and_ray_backends_give_identical_rows(tmp_path):
-    # no skip: `make test` installs the ray extra, and CI must run this against a local Ray instance
+    # no skip: `make setup` installs the ray extra, and CI (`make test-slow`) must run this against a local Ray
+    # instance
     g = load_grid(write_grid(tmp_path))
     run_sweep(g, tmp_path / "local", backend="local", workers=2)
     s = run_sweep(g, tmp_path / "ray", backend="ray", workers=2)

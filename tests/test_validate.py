@@ -208,8 +208,9 @@ def test_end_to_end_light_rows(calibration: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_full_calibration_file(calibration: Path) -> None:
-    rep = run_validation(calibration, workers=0, progress=False)
+def test_full_calibration_file(calibration: Path, calibration_sim, monkeypatch) -> None:
+    monkeypatch.setattr("lorapack.validate.simulate_run", calibration_sim)  # the session's simulations (conftest)
+    rep = run_validation(calibration, workers=1, progress=False)
     for m, n_ok, n_oom in ((LLAMA, 102, 21), (QWEN, 125, 0)):
         s = rep["models"][m]
         assert (s["n_ok"], s["n_oom"], s["n_skipped"]) == (n_ok, n_oom, 0)
