@@ -1,6 +1,6 @@
 """Run a command so that no process of it outlives whoever started it.
 
-    python -m lorapack.testbed.guard -- COMMAND [ARG ...]
+    python -m lorapack.testbed.guard [--nice=N] -- COMMAND [ARG ...]
 
 A vLLM server is a process tree (the API server, its engine core, the engine's workers), and a test run that is
 killed (``kill -9`` of pytest, a CI time-out) must not leave it behind holding a port and a core. The guard sits
@@ -102,9 +102,15 @@ def _reap() -> None:
 
 
 def main(argv: list[str]) -> int:
+    nice = 0
+    if argv and argv[0].startswith("--nice="):
+        nice = int(argv[0].split("=", 1)[1])
+        argv = argv[1:]
     if not argv or argv[0] != "--" or len(argv) < 2:
-        print("usage: python -m lorapack.testbed.guard -- COMMAND [ARG ...]", file=sys.stderr)
+        print("usage: python -m lorapack.testbed.guard [--nice=N] -- COMMAND [ARG ...]", file=sys.stderr)
         return 2
+    if nice:
+        os.nice(nice)
     starter = os.getppid()
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)

@@ -2,7 +2,8 @@
 
 ``replay(url, arrivals)`` sends each arrival at its time (streaming ``/v1/completions`` with the prompt given as
 token ids, so its length is exact, and ``ignore_eos`` so the output length is), and records per request: send
-time, TTFT, every inter-chunk gap, finish, HTTP status and error message; ``/metrics`` is scraped every second
+time, TTFT, every inter-chunk gap, finish, HTTP status and error message, and (``--enable-per-request-metrics``)
+the engine's own queue and first-token intervals; ``/metrics`` is scraped every second
 (running / waiting requests, the running and waiting adapters). ``twin_replay`` runs the same arrivals through
 the twin (``simulate_requests``) so the two can be compared request by request (``order_agreement``).
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,10 +53,23 @@ class RequestRecord:
     completion_tokens: int = 0
     status: int = 0  # HTTP status; 0 = no answer (connection error, time-out)
     error: str = ""
+    # the engine's own clock (vLLM's per-request metrics, `--enable-per-request-metrics`): queued -> scheduled,
+    # scheduled -> first token; NaN when the server does not send them
+    queue_ms: float = float("nan")
+    engine_ttft_ms: float = float("nan")
 
     @property
     def ttft_s(self) -> float:
         return self.t_first_s - self.t_sent_s
+
+    @property
+    def t_first_server_s(self) -> float:
+        """When the engine made the first token: the send time plus the engine's queued -> first-token interval
+        (free of the client's own delays in reading the stream); the client's first-chunk time when the server
+        sends no per-request metrics."""
+        if np.isfinite(self.queue_ms) and np.isfinite(self.engine_ttft_ms):
+            return self.t_sent_s + (self.queue_ms + self.engine_ttft_ms) / 1000.0
+        return self.t_first_s
 
 
 @dataclass
@@ -80,13 +95,19 @@ def prompt_ids(index: int, n_tokens: int, seed: int) -> list[int]:
     return rng.integers(PROMPT_TOKEN_LO, PROMPT_TOKEN_HI, size=n_tokens).tolist()
 
 
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:lora_requests_info")
+
+
 def parse_metrics(text: str, t_s: float) -> MetricsSample:
-    """The gauges the testbed reads from a Prometheus text page (vLLM's names)."""
+    """The gauges the testbed reads from a Prometheus text page (vLLM's names). Only their lines are parsed: the
+    whole page (600 lines, histograms) takes the parser 40 ms on an idle core and far more on a busy one, time
+    the replay's event loop would not send requests in."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    wanted = "\n".join(ln for ln in text.splitlines() if ln.startswith(GAUGES))
     running = waiting = float("nan")
     lora_latest = None
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(wanted):
         for s in family.samples:
             if s.name == "vllm:num_requests_running":
                 running = s.value
@@ -104,25 +125,42 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample:
                          max_lora)
 
 
-async def _send(client, url: str, model: str, arrival: Arrival, rec: RequestRecord, t0: float, seed: int,
-                extra: dict | None) -> None:
+def _record_engine_metrics(rec: RequestRecord, engine: dict | None) -> None:
+    engine = engine or {}
+    if engine.get("queue_time_ms") is not None and engine.get("time_to_first_token_ms") is not None:
+        rec.queue_ms = float(engine["queue_time_ms"])
+        rec.engine_ttft_ms = float(engine["time_to_first_token_ms"])
+
+
+def _error_message(raw: str) -> str:
+    try:
+        return str(json.loads(raw).get("error", {}).get("message", raw))
+    except (json.JSONDecodeError, AttributeError):
+        return raw
+
+
+async def _send(session, url: str, model: str, arrival: Arrival, rec: RequestRecord, t0: float, seed: int,
+                extra: dict | None, stream: bool) -> None:
     await asyncio.sleep(max(0.0, t0 + arrival.t_s - time.monotonic()))
     body = {"model": arrival.adapter_id or model, "prompt": prompt_ids(rec.index, arrival.prompt_tokens, seed),
-            "max_tokens": arrival.output_tokens, "ignore_eos": True, "stream": True, "temperature": 0.0,
-            "stream_options": {"include_usage": True}, **(extra or {})}
+            "max_tokens": arrival.output_tokens, "ignore_eos": True, "stream": stream, "temperature": 0.0,
+            **({"stream_options": {"include_usage": True}} if stream else {}), **(extra or {})}
     rec.t_sent_s = time.monotonic() - t0
     last = None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            rec.status = r.status_code
-            if r.status_code != 200:
-                raw = (await r.aread()).decode(errors="replace")
-                try:
-                    rec.error = str(json.loads(raw).get("error", {}).get("message", raw))
-                except (json.JSONDecodeError, AttributeError):
-                    rec.error = raw
+        async with session.post(url + "/v1/completions", json=body) as r:
+            rec.status = r.status
+            if r.status != 200:
+                rec.error = _error_message(await r.text())
                 return
-            async for line in r.aiter_lines():
+            if not stream:
+                answer = await r.json()
+                rec.t_finish_s = time.monotonic() - t0
+                rec.completion_tokens = int((answer.get("usage") or {}).get("completion_tokens") or 0)
+                _record_engine_metrics(rec, answer.get("metrics"))
+                return
+            async for raw in r.content:
+                line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 now = time.monotonic() - t0
@@ -136,47 +174,56 @@ async def _send(client, url: str, model: str, arrival: Arrival, rec: RequestReco
                     last = now
                 if chunk.get("usage"):
                     rec.completion_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                _record_engine_metrics(rec, chunk.get("metrics"))
             rec.t_finish_s = time.monotonic() - t0
     except Exception as e:  # noqa: BLE001 - recorded per request: one failure must not end the replay
         rec.error = f"{type(e).__name__}: {e}"
 
 
-async def _scrape(client, url: str, t0: float, samples: list[MetricsSample], stop: asyncio.Event,
-                  every_s: float) -> None:
+def _scrape(url: str, t0: float, samples: list[MetricsSample], stop: threading.Event, every_s: float) -> None:
+    """Scrape ``/metrics`` every ``every_s`` until ``stop`` (a thread of its own: in the replay's event loop a
+    scrape delayed the sends by up to a second on a busy 2-core machine)."""
+    import urllib.request
+
     while not stop.is_set():
         try:
-            r = await client.get(url + "/metrics")
-            samples.append(parse_metrics(r.text, time.monotonic() - t0))
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+            samples.append(parse_metrics(text, time.monotonic() - t0))
         except Exception:  # noqa: BLE001 - a missed scrape is a gap in the gauges, not a failed replay
             pass
-        try:
-            await asyncio.wait_for(stop.wait(), every_s)
-        except TimeoutError:
-            pass
+        stop.wait(every_s)
 
 
 async def replay_async(url: str, arrivals: Sequence[Arrival], model: str = "", seed: int = 0,
                        scrape_every_s: float = 1.0, timeout_s: float = 600.0,
-                       extra_body: dict | None = None) -> ReplayResult:
-    import httpx
+                       extra_body: dict | None = None, stream: bool = True) -> ReplayResult:
+    """Send ``arrivals`` (see the module's docstring). ``stream=False``: one answer per request, no per-token
+    record (``t_first_s`` and ``gaps_s`` stay empty; ``t_first_server_s`` comes from the engine's metrics): the
+    client then needs almost no CPU, which keeps its send times exact on a busy 2-core machine."""
+    import aiohttp
+    import prometheus_client.parser  # noqa: F401 - imported now, not in the scraper's first pass
 
     records = [RequestRecord(i, a.adapter_id, a.prompt_tokens, a.output_tokens, a.t_s) for i, a in enumerate(arrivals)]
     samples: list[MetricsSample] = []
-    stop = asyncio.Event()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    stop = threading.Event()
+    # aiohttp, not httpx: httpx's connection set-up (anyio connect_tcp) held the event loop for up to 1.7 s at
+    # a time on a busy 2-core machine, delaying sends; aiohttp kept them within a few ms (docs/testbed.md)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         if not model:
-            r = await client.get(url + "/v1/models")
-            model = r.json()["data"][0]["id"]  # the base model is listed first
+            async with session.get(url + "/v1/models") as r:
+                model = (await r.json())["data"][0]["id"]  # the base model is listed first
         t0 = time.monotonic()
-        scraper = asyncio.create_task(_scrape(client, url, t0, samples, stop, scrape_every_s))
-        sends = [asyncio.create_task(_send(client, url, model, a, rec, t0, seed, extra_body))
+        scraper = threading.Thread(target=_scrape, args=(url, t0, samples, stop, scrape_every_s), daemon=True)
+        scraper.start()
+        sends = [asyncio.create_task(_send(session, url, model, a, rec, t0, seed, extra_body, stream))
                  for a, rec in zip(arrivals, records, strict=True)]
         try:
             await asyncio.wait_for(asyncio.gather(*sends), timeout_s)
         finally:
             stop.set()
-            await scraper
+            scraper.join(timeout=15)
             for task in sends:
                 task.cancel()
         wall = time.monotonic() - t0
@@ -191,20 +238,34 @@ def replay(url: str, arrivals: Sequence[Arrival], **kwargs) -> ReplayResult:
 # --- the twin side -------------------------------------------------------------------------------------------
 
 def twin_replay(profile, adapter_ids: Sequence[str], ranks: Sequence[int], arrivals: Sequence[Arrival], flags,
-                duration_s: float):
-    """The same arrivals through the twin: ``(metrics, EngineResult)`` (``simulate_requests``), requests in the
-    order of ``arrivals`` (which must be sorted by time). ``adapter_ids`` is the server's registration order."""
+                duration_s: float, sent_s: Sequence[float] | None = None):
+    """The same arrivals through the twin: ``(metrics, EngineResult)`` (``simulate_requests``), the result's
+    per-request arrays in the order of ``arrivals``. ``adapter_ids`` is the server's registration order.
+
+    ``sent_s``: the times the requests were actually sent (``RequestRecord.t_sent_s``) instead of the planned
+    ``Arrival.t_s``. Compare with a server run on these: a client that is starved of CPU for a moment sends
+    late, in a burst, and the server sees that burst, not the plan."""
+    import dataclasses
+
     from lorapack.twin.run import simulate_requests
     from lorapack.twin.types import RequestArrays
 
     index = {a: i for i, a in enumerate(adapter_ids)}
-    t = np.array([a.t_s for a in arrivals], dtype=np.float64)
-    if np.any(np.diff(t) < 0):
-        raise ValueError("arrivals must be sorted by time")
-    req = RequestArrays(t, np.array([index[a.adapter_id] for a in arrivals], dtype=np.int32),
-                        np.array([a.prompt_tokens for a in arrivals], dtype=np.int32),
-                        np.array([a.output_tokens for a in arrivals], dtype=np.int32))
-    return simulate_requests(profile, np.asarray(ranks, dtype=np.int32), req, flags, duration_s=duration_s)
+    t = np.array([a.t_s for a in arrivals] if sent_s is None else sent_s, dtype=np.float64)
+    if not np.all(np.isfinite(t)):
+        raise ValueError("every request needs a send time (a request that was never sent has none)")
+    t = np.maximum(t, 0.0)
+    order = np.lexsort((np.arange(len(t)), t))  # by time, then in the given order
+    req = RequestArrays(t[order], np.array([index[arrivals[i].adapter_id] for i in order], dtype=np.int32),
+                        np.array([arrivals[i].prompt_tokens for i in order], dtype=np.int32),
+                        np.array([arrivals[i].output_tokens for i in order], dtype=np.int32))
+    metrics, res = simulate_requests(profile, np.asarray(ranks, dtype=np.int32), req, flags, duration_s=duration_s)
+    if res is None:
+        return metrics, None
+    back = np.empty_like(order)
+    back[order] = np.arange(len(order))
+    return metrics, dataclasses.replace(res, t_sent_s=res.t_sent_s[back], t_first_s=res.t_first_s[back],
+                                        t_finish_s=res.t_finish_s[back], n_preempted=res.n_preempted[back])
 
 
 def order_agreement(t_sent_s: np.ndarray, adapter: Sequence, first_a: np.ndarray, first_b: np.ndarray,

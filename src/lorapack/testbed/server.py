@@ -34,8 +34,12 @@ SERVER_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
-# Flags every testbed server gets: the model's own dtype, and no torch.compile (minutes of start-up on a CPU).
-BASE_FLAGS = ("--dtype", "bfloat16", "--enforce-eager")
+# Flags every testbed server gets: the model's own dtype; no torch.compile (minutes of start-up on a CPU); the
+# engine's per-request intervals in each response's last chunk (the replayer orders first tokens by them).
+BASE_FLAGS = ("--dtype", "bfloat16", "--enforce-eager", "--enable-per-request-metrics")
+# The server runs at a lower CPU priority than the client: on 2 cores a server busy with a replay would
+# otherwise delay the client's sends and reads (seen: 0.6-1.2 s) and blur the orders the tests compare.
+SERVER_NICE = 19  # the lowest priority: measured, nice 5 still let a busy server delay the client
 
 
 def free_port() -> int:
@@ -50,11 +54,13 @@ def lora_module_arg(name: str, path: Path | str) -> str:
 
 
 def guarded(cmd: Sequence[str], env: dict[str, str] | None = None, log: Path | None = None,
-            cwd: Path | None = None) -> subprocess.Popen:
-    """Start ``cmd`` under the guard (it and its descendants die with this process or at ``stop_tree``)."""
+            cwd: Path | None = None, nice: int = 0) -> subprocess.Popen:
+    """Start ``cmd`` under the guard (it and its descendants die with this process or at ``stop_tree``),
+    ``nice`` steps below this process's CPU priority."""
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 (kept by the child)
     try:
-        return subprocess.Popen([sys.executable, "-m", "lorapack.testbed.guard", "--", *cmd], env=env, cwd=cwd,
+        return subprocess.Popen([sys.executable, "-m", "lorapack.testbed.guard", f"--nice={nice}", "--", *cmd],
+                                env=env, cwd=cwd,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     finally:
@@ -134,13 +140,19 @@ class RunningServer:
         stop_tree(self.proc)
 
 
+def why_it_failed(log: Path, tail: int = 15) -> list[str]:
+    """The log's error lines (vLLM's reason is often far above the end of its traceback) and its last lines."""
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    errors = [ln for ln in lines if "Error:" in ln or "error:" in ln]
+    return list(dict.fromkeys(errors[-10:] + lines[-tail:]))
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log.read_text(errors="replace").splitlines()[-15:] if log.is_file() else []
             raise TestbedError(f"vLLM server exited with {proc.returncode} before it was healthy; log {log}:\n"
-                               + "\n".join(tail))
+                               + "\n".join(why_it_failed(log)))
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -171,7 +183,7 @@ def start_server(testbed: Testbed, adapters: Sequence[str], flags: Sequence[str]
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"vllm-{port}.log"
     cmd = serve_command(testbed, port, adapters, flags)
-    proc = guarded(cmd, env=server_env(env), log=log)
+    proc = guarded(cmd, env=server_env(env), log=log, nice=SERVER_NICE)
     server = RunningServer(f"http://127.0.0.1:{port}", port, tuple(flags), tuple(adapters), log, proc)
     if wait:
         try:

@@ -1,0 +1,112 @@
+"""Staircase workloads: the ``--max-loras`` rule made visible, for the testbed's tests and bench.
+
+Six adapters (two each of ranks 8, 16, 32) share a server with ``--max-loras`` 2 or 3 slots. vLLM admits a
+waiting request only while the adapters of the requests scheduled this step leave room for its adapter, so the
+adapters are served a few at a time, in queue order: a staircase of first-token times. ``run_staircase`` sends
+one design to a server, runs the same requests through the twin (the shipped Llama profile, fed the client's
+actual send times) and returns the first-token order agreement over the request pairs with different adapters
+sent at least 20 ms apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lorapack.testbed.replay import Arrival, ReplayResult, order_agreement, replay, twin_replay
+
+ADAPTERS = ("r8-0", "r8-1", "r16-0", "r16-1", "r32-0", "r32-1")
+RANKS = (8, 8, 16, 16, 32, 32)
+GAP_S = 0.025  # between consecutive sends: every pair of requests is >= 20 ms apart
+MIN_PAIR_GAP_S = 0.02
+# A replay whose client sent a request this late (a process stall on a busy machine) did not send the design:
+# it is run again (the twin is fed the actual send times either way; docs/testbed.md).
+MAX_SEND_LAG_S = 0.1
+
+
+def server_flags(max_loras: int) -> dict[str, int]:
+    return {"max_loras": max_loras, "max_cpu_loras": 6, "max_lora_rank": 32, "max_num_seqs": 32,
+            "max_num_batched_tokens": 512, "max_model_len": 512}
+
+
+def vllm_args(flags: dict[str, int]) -> list[str]:
+    """vLLM's command-line form of ``{"max_loras": 2, ...}``."""
+    out: list[str] = []
+    for name, value in flags.items():
+        out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+def design(name: str) -> list[Arrival]:
+    """``interleaved``: 60 requests, the six adapters in turn (the testbed issue's first staircase);
+    ``blocks``: ten requests of each adapter in a row; ``bursts``: bursts of five requests per adapter, the
+    adapters in the order 0, 3, 1, 4, 2, 5, twice, with outputs long enough (160 tokens) that an adapter's first
+    burst is still running when its second arrives, on the server as in the twin.
+
+    Every design keeps its order a matter of the rule, not of speed: the twin's step times are an H100's, the
+    server's a CPU's. With 48-token outputs, ``bursts`` measured 0.63-0.72 agreement (bench/testbed_rules.py):
+    whether an adapter's first burst finished before its second burst arrived 0.75 s later was a question of
+    step time (the twin's ~13 ms steps finished it at ~0.72 s), which decides whether the second burst joins
+    its running adapter or queues behind the others."""
+    if name == "interleaved":
+        return [Arrival(GAP_S * i, ADAPTERS[i % 6], 32, 64) for i in range(60)]
+    if name == "blocks":
+        return [Arrival(GAP_S * i, ADAPTERS[i // 10], 32, 64) for i in range(60)]
+    if name == "bursts":
+        order = (0, 3, 1, 4, 2, 5)
+        return [Arrival(GAP_S * i, ADAPTERS[order[(i // 5) % 6]], 24, 160) for i in range(60)]
+    raise ValueError(f"unknown staircase design {name!r}: expected interleaved, blocks or bursts")
+
+
+DESIGNS = ("interleaved", "blocks", "bursts")
+
+
+@dataclass
+class StaircaseRun:
+    design: str
+    max_loras: int
+    agreement: float
+    pairs: int
+    max_send_lag_s: float
+    attempts: int
+    result: ReplayResult
+    twin_first_s: np.ndarray
+
+    def summary(self) -> dict:
+        return {"design": self.design, "max_loras": self.max_loras, "agreement": round(self.agreement, 4),
+                "pairs": self.pairs, "max_send_lag_s": round(self.max_send_lag_s, 3), "attempts": self.attempts}
+
+    def explain(self) -> str:
+        """First-token times per adapter, server and twin (for a failure message)."""
+        lines = []
+        for a in ADAPTERS:
+            idx = [i for i, r in enumerate(self.result.records) if r.adapter_id == a]
+            real = np.array([self.result.records[i].t_first_server_s for i in idx])
+            lines.append(f"{a}: server {np.round(real, 2).tolist()} twin {np.round(self.twin_first_s[idx], 2).tolist()}")
+        return "\n".join(lines)
+
+
+def run_staircase(url: str, profile, name: str, max_loras: int, attempts: int = 3) -> StaircaseRun:
+    """Send design ``name`` to the server at ``url`` (started with ``vllm_args(server_flags(max_loras))`` and the
+    six adapters registered in ``ADAPTERS`` order) and compare with the twin; a replay whose client fell more
+    than ``MAX_SEND_LAG_S`` behind is run again, up to ``attempts`` times (the last one counts regardless)."""
+    from lorapack.twin.run import ServerFlags
+
+    arrivals = design(name)
+    planned = np.array([a.t_s for a in arrivals])
+    for attempt in range(1, attempts + 1):
+        result = replay(url, arrivals, stream=False, scrape_every_s=0.25)
+        sent = np.array([r.t_sent_s for r in result.records])
+        lag = float(np.nanmax(sent - planned))
+        if lag <= MAX_SEND_LAG_S or attempt == attempts:
+            break
+    bad = [(r.index, r.status, r.error) for r in result.records if r.status != 200]
+    if bad:
+        raise AssertionError(f"requests failed: {bad[:3]}")
+    _, engine = twin_replay(profile, ADAPTERS, RANKS, arrivals, ServerFlags(**server_flags(max_loras)), 120.0,
+                            sent_s=sent)
+    real_first = np.array([r.t_first_server_s for r in result.records])
+    share, pairs = order_agreement(sent, [a.adapter_id for a in arrivals], real_first, engine.t_first_s,
+                                   MIN_PAIR_GAP_S)
+    return StaircaseRun(name, max_loras, share, pairs, lag, attempt, result, engine.t_first_s)
