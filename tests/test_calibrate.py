@@ -21,7 +21,8 @@ from lorapack.calibrate.priors import CALIBRATION_CSV
 from lorapack.cli import app
 from lorapack.profile import find_profile, load_profile_file
 from lorapack.realruns import RunPrediction, score_runs
-from lorapack.twin.run import ResolvedServer, step_model
+from lorapack.server import ServerConfig
+from lorapack.twin.run import step_model
 from lorapack.twin.steptime import StepModel, compute_ms
 
 LLAMA = "llama-3.1-8b-instruct"
@@ -56,9 +57,8 @@ def test_slot_grid_term_folds_into_per_token_costs() -> None:
                                        "e4_ms_per_ktok_slot": 0.2, "gamma": 1.0, "gamma_token": None,
                                        "gamma_adapter": None})
     p = p.model_copy(update={"steptime": st})
-    srv = ResolvedServer(max_loras=100, max_lora_rank=16, max_cpu_loras=200, max_num_batched_tokens=2048,
-                         max_num_seqs=2048, max_model_len=p.max_model_len, starts=True, kv_cache_tokens=1,
-                         error_type=None)
+    srv = ServerConfig(max_loras=100, max_lora_rank=16, max_cpu_loras=200, max_num_batched_tokens=2048,
+                       max_num_seqs=2048, max_model_len=p.max_model_len)
     sm = step_model(p, srv)
     assert sm.e1_ms_per_token == pytest.approx(0.01 + 0.2 * 100 / 1000)
     assert sm.e1p_ms_per_prefill_token == pytest.approx(0.003 + 0.2 * 100 / 1000)

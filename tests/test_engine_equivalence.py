@@ -8,6 +8,8 @@ every timeline column equal within 1e-9 relative. A failure prints the case (rep
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -67,3 +69,23 @@ def test_many_seeded_configs():
 @given(params=case_params(max_requests=120))
 def test_uncompiled_path(params):
     assert_equivalent(build_case(params), compiled=False)
+
+
+def _with_admission(case, admission: str):
+    return dataclasses.replace(case, cfg=dataclasses.replace(case.cfg, admission=admission),
+                               name=f"{case.name} admission={admission}")
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(params=case_params(max_requests=200))
+def test_admission_option_both_values(params):
+    """The max_loras admission rule (``EngineConfig.admission``, ``lorapack.server.VllmRules``) is the same in
+    both engines for both values; and, as docs/engine-semantics.md argues, the two values give the same run
+    (the waiting pass runs only after the running pass scheduled every running request)."""
+    case = build_case(params)
+    results = {}
+    for admission in ("scheduled", "running"):
+        c = _with_admission(case, admission)
+        assert_equivalent(c)
+        results[admission] = simulate_fast(c.cfg, c.req)
+    assert not compare_results(case, results["scheduled"], results["running"], rtol=0.0)

@@ -20,7 +20,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("lorapack", "lorapack.errors", "lorapack.checks", "lorapack.textfiles", "lorapack.executor"),
     # validated inputs; the twin's data types and step-time estimator (pure functions of arrays); resource
     # limits and the cost of a run from its arrays
-    ("lorapack.profile", "lorapack.spec", "lorapack.twin.types", "lorapack.twin.steptime", "lorapack.guards"),
+    ("lorapack.profile", "lorapack.spec", "lorapack.server", "lorapack.twin.types", "lorapack.twin.steptime",
+     "lorapack.guards"),
     ("lorapack.workload",),  # requests from a workload
     ("lorapack.twin",),  # the digital twin
     ("lorapack.realruns", "lorapack.oracle"),  # the twin's seams: real runs, feasibility questions

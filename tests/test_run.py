@@ -184,7 +184,9 @@ def test_simulate_output(llama) -> None:
     assert out.oom is False and res is not None
     assert (out.duration_s, out.model, out.gpu) == (60.0, LLAMA, "h100-64gb")
     assert out.server.to_dict() == {"max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": 12,
-                                    "max_num_batched_tokens": 2048, "max_num_seqs": 2048, "max_model_len": 131_072}
+                                    "max_num_batched_tokens": 2048, "max_num_seqs": 2048, "max_model_len": 131_072,
+                                    "gpu_memory_utilization": 0.9, "enable_prefix_caching": False,
+                                    "vllm_version": "0.8.5", "vllm_rules": "0.8.5"}
     assert out.wall_s > 0 and out.n_arrived > 0
     assert len(res.timeline["t_s"]) == 30  # one sample every 2 s of [0, 60)
 

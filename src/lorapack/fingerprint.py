@@ -20,11 +20,14 @@ from functools import lru_cache
 
 import numpy as np
 
-from .profile import Profile
+from .profile import NEUTRAL_FIELDS, Profile
 
 FINGERPRINT_SCHEME = "probe/v1"
 # step-time constants that entered the model after profiles were shipped, at the value that switches them off
 NEUTRAL_STEPTIME = {"e5_ms_per_kblock_slot": 0.0}
+# profile fields added after profiles were shipped, at the value every shipped profile was measured with
+NEUTRAL_PROFILE = NEUTRAL_FIELDS
+_NEUTRAL = {**NEUTRAL_STEPTIME, **NEUTRAL_PROFILE}
 # (N, A, rate per adapter req/s, rank tuple, duration s, early stop)
 PROBES: tuple[tuple[int, int, float, tuple[int, ...], float, bool], ...] = (
     (8, 8, 0.5, (8, 16), 300.0, False),  # light, every adapter resident
@@ -55,7 +58,7 @@ def probe_outputs(profile: Profile) -> list[dict]:
     """The twin's answers on the probe set (for the fingerprint and for inspecting a change)."""
     from .oracle import GpuCandidate, candidate_workload
     from .twin.early import EarlyStopOptions
-    from .twin.run import ServerFlags, simulate_requests
+    from .twin.run import simulate_requests
     from .workload import generate_requests
 
     out = []
@@ -63,8 +66,7 @@ def probe_outputs(profile: Profile) -> list[dict]:
         cand = GpuCandidate(profile=profile, ranks=np.array([ranks[i % len(ranks)] for i in range(n)]),
                             rates_rps=np.full(n, rate), max_loras=a)
         req = generate_requests(candidate_workload(cand, dur), dur, 1000 + k)
-        flags = ServerFlags(max_loras=a, max_lora_rank=cand.slot_rank, max_cpu_loras=cand.cpu_loras)
-        m, _ = simulate_requests(profile, cand.ranks, req, flags, dur,
+        m, _ = simulate_requests(profile, cand.ranks, req, cand.server_config(), dur,
                                  early_stop=EarlyStopOptions() if early else None)
         d = m.to_dict() if hasattr(m, "to_dict") else m
         out.append({key: _canon(d.get(key)) for key in PROBE_KEYS})
@@ -88,9 +90,11 @@ def twin_fingerprint(profile: Profile) -> str:
 
 
 def _drop_neutral(v):
-    """``v`` without the NEUTRAL_STEPTIME keys that hold their neutral value (at any depth: priors too)."""
+    """``v`` without the NEUTRAL_STEPTIME / NEUTRAL_PROFILE keys that hold their neutral value (at any depth:
+    priors too)."""
     if isinstance(v, dict):
-        return {k: _drop_neutral(x) for k, x in v.items() if not (k in NEUTRAL_STEPTIME and x == NEUTRAL_STEPTIME[k])}
+        return {k: _drop_neutral(x) for k, x in v.items()
+                if not (k in _NEUTRAL and x == _NEUTRAL[k] and type(x) is type(_NEUTRAL[k]))}
     if isinstance(v, list):
         return [_drop_neutral(x) for x in v]
     return v

@@ -23,6 +23,7 @@ import numpy as np
 
 from .errors import SpecError
 from .profile import VLLM_LORA_RANKS, Profile
+from .server import ServerConfig, rules_for_version
 from .spec import (
     DEFAULT_MEAN_INPUT_TOKENS,
     DEFAULT_MEAN_OUTPUT_TOKENS,
@@ -55,13 +56,14 @@ FEATURE_NAMES: tuple[str, ...] = (
 )
 
 
-def default_slot_rank(max_rank: int) -> int:
-    """Smallest ``--max-lora-rank`` vLLM accepts that holds ``max_rank`` (placement.md §1)."""
-    for s in VLLM_LORA_RANKS:
+def default_slot_rank(max_rank: int, choices: tuple[int, ...] = VLLM_LORA_RANKS) -> int:
+    """Smallest ``--max-lora-rank`` vLLM accepts (``choices``: the version's, 0.8.5's by default) that holds
+    ``max_rank`` (placement.md §1)."""
+    for s in choices:
         if s >= max_rank:
             return s
     raise SpecError(f"adapter rank {max_rank} exceeds the largest --max-lora-rank vLLM accepts "
-                    f"({VLLM_LORA_RANKS[-1]})")
+                    f"({choices[-1]})")
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,7 +137,9 @@ class GpuCandidate:
     @property
     def slot_rank(self) -> int:
         """S: the ``--max-lora-rank`` this GPU runs with."""
-        return int(self.max_lora_rank) if self.max_lora_rank is not None else default_slot_rank(int(self.ranks.max()))
+        if self.max_lora_rank is not None:
+            return int(self.max_lora_rank)
+        return default_slot_rank(int(self.ranks.max()), rules_for_version(self.profile.vllm_version).lora_ranks)
 
     @property
     def cpu_loras(self) -> int:
@@ -155,8 +159,17 @@ class GpuCandidate:
         return float(self.rates_rps.sum()) * (self.input_tokens + self.output_tokens)
 
     def startup(self) -> tuple[bool, int, str | None]:
-        """vLLM's start-up rule for ``(A, S)``: ``(starts, kv_cache_tokens, error_type)``."""
-        return self.profile.startup(self.max_loras, self.slot_rank)
+        """vLLM's start-up rule for ``(A, S)`` (the profile's version's rule): ``(starts, kv_cache_tokens,
+        error_type)``."""
+        return self.profile.startup(self.max_loras, self.slot_rank,
+                                    kv_start=rules_for_version(self.profile.vllm_version).kv_start)
+
+    def server_config(self) -> ServerConfig:
+        """This GPU's flags as the one server type (``lorapack.server.ServerConfig``) the twin takes. The
+        candidate's flag fields are its query (placement varies ``max_loras`` over thousands of candidates);
+        this is the only place they become a server."""
+        return ServerConfig(max_loras=self.max_loras, max_lora_rank=self.slot_rank, max_cpu_loras=self.cpu_loras,
+                            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs)
 
 
 def feature_row(cand: GpuCandidate) -> dict[str, float]:
@@ -355,15 +368,13 @@ class TwinOracle(MemoryRuleOracle):
         import time
 
         from .twin.early import EarlyStopOptions
-        from .twin.run import ServerFlags, simulate_requests
+        from .twin.run import simulate_requests
         from .workload import generate_requests
 
         t0 = time.perf_counter()
         wl = candidate_workload(cand, self.duration_s, self.arrivals)
         req = generate_requests(wl, self.duration_s, seed)
-        flags = ServerFlags(max_loras=cand.max_loras, max_lora_rank=cand.slot_rank, max_cpu_loras=cand.cpu_loras,
-                            max_num_batched_tokens=cand.max_num_batched_tokens, max_num_seqs=cand.max_num_seqs)
-        m, _res = simulate_requests(cand.profile, cand.ranks, req, flags, self.duration_s,
+        m, _res = simulate_requests(cand.profile, cand.ranks, req, cand.server_config(), self.duration_s,
                                     early_stop=EarlyStopOptions() if self.early_stop else None)
         self.n_simulations += 1
         self.sim_wall_s += time.perf_counter() - t0

@@ -18,8 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .errors import ProfileError
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
-# --max-lora-rank values vLLM accepts
+# --max-lora-rank values vLLM 0.8.5 accepts (other versions: ``lorapack.server.VllmRules.lora_ranks``)
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+# Profile fields added after profiles were shipped, at the value every shipped profile was measured with: left
+# out of ``Profile.file_hash`` and of the twin fingerprint (``fingerprint.NEUTRAL_PROFILE``) at that value
+NEUTRAL_FIELDS = {"measured_gpu_memory_utilization": 0.9, "measured_prefix_caching": False}
 
 
 class _Frozen(BaseModel):
@@ -155,6 +160,11 @@ class Profile(_Frozen):
     priors: Priors | None = None  # closed-form fits before refinement (None: the sections above are the fits)
     runs_lengths: RunsLengths | None = None  # fitted length law for rebuilding real runs (None: spec default)
     frontend: FrontendModel | None = None  # None: no time outside the engine
+    # the server settings the profile was measured with (``serve.sh`` pins them; the twin models the server
+    # at them): vLLM 0.8.5 V1 with --gpu-memory-utilization 0.9 and prefix caching off for the shipped
+    # profiles. Neutral values (``fingerprint.NEUTRAL_PROFILE``): profiles fitted before keep their fingerprint.
+    measured_gpu_memory_utilization: float = 0.9
+    measured_prefix_caching: bool = False
     provenance: dict = Field(default_factory=dict)
 
     # ---- memory and the start-up rule (twin.md §3.4) ----
@@ -173,10 +183,27 @@ class Profile(_Frozen):
         t = m.kv_tokens_base - max_loras * (m.kv_tokens_per_slot_rank * max_lora_rank + m.kv_tokens_per_slot)
         return int(math.floor(t / self.block_size)) * self.block_size
 
-    def startup(self, max_loras: int, max_lora_rank: int, max_model_len: int | None = None
-                ) -> tuple[bool, int, str | None]:
-        """``(starts, kv_tokens, error_type)``: would vLLM start with these flags?"""
+    def startup(self, max_loras: int, max_lora_rank: int, max_model_len: int | None = None,
+                kv_start: str = "profile") -> tuple[bool, int, str | None]:
+        """``(starts, kv_tokens, error_type)``: would vLLM start with these flags?
+
+        ``kv_start`` is the version's rule (``lorapack.server.VllmRules.kv_start``): ``"profile"`` (vLLM 0.8.5,
+        twin.md §3.4: measured points, else ``kv >= (1 + startup_margin) * max_model_len``) or
+        ``"one_sequence_minus_null_block"`` (vLLM 0.32, measured on the testbed: one ``max_model_len``
+        sequence must fit in the KV cache minus one block, V1's null block)."""
         mml = self.max_model_len if max_model_len is None else max_model_len
+        if kv_start == "one_sequence_minus_null_block":
+            p = self._measured(max_loras, max_lora_rank)
+            kv = self.kv_tokens(max_loras, max_lora_rank)
+            if p is not None and p.kv_tokens is None and mml == self.max_model_len:
+                return False, max(kv, 0), p.error_type or "kv_cache_insufficient"
+            if kv <= 0:
+                return False, 0, "no_cache_blocks"
+            if mml > kv - self.block_size:
+                return False, kv, "kv_cache_insufficient"
+            return True, kv, None
+        if kv_start != "profile":
+            raise ValueError(f"kv_start {kv_start!r}: expected 'profile' or 'one_sequence_minus_null_block'")
         p = self._measured(max_loras, max_lora_rank)
         kv = self.kv_tokens(max_loras, max_lora_rank)
         if p is not None and mml == self.max_model_len:
@@ -225,15 +252,18 @@ class Profile(_Frozen):
         return (min(ranks), max(ranks)) if ranks else (8, 32)
 
     def file_hash(self) -> str:
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+        """16 hex digits of the profile's JSON; fields added after profiles were shipped are left out at their
+        neutral value (``NEUTRAL_FIELDS``), so the hash recorded by shipped models and sweeps stays valid."""
+        skip = {k for k, v in NEUTRAL_FIELDS.items() if getattr(self, k) == v and type(getattr(self, k)) is type(v)}
+        return hashlib.sha256(self.model_dump_json(exclude=skip or None).encode()).hexdigest()[:16]
 
 
-def smallest_vllm_rank(rank: int) -> int:
-    """Smallest ``--max-lora-rank`` value vLLM accepts that is >= ``rank``."""
-    for s in VLLM_LORA_RANKS:
+def smallest_vllm_rank(rank: int, choices: tuple[int, ...] = VLLM_LORA_RANKS) -> int:
+    """Smallest ``--max-lora-rank`` value vLLM accepts (``choices``: 0.8.5's by default) that is >= ``rank``."""
+    for s in choices:
         if s >= rank:
             return s
-    raise ProfileError(f"adapter rank {rank} exceeds the largest --max-lora-rank vLLM accepts (512)")
+    raise ProfileError(f"adapter rank {rank} exceeds the largest --max-lora-rank vLLM accepts ({choices[-1]})")
 
 
 def load_profile_file(path: str | Path) -> Profile:

@@ -223,15 +223,15 @@ class _OutOfTime(Exception):
 def lora_anchor_residuals(profile: Profile, anchors: Sequence[dict]) -> np.ndarray:
     """Log errors (in RESIDUAL_SCALE units) of the LoRA step overhead predicted by ``profile``'s step-time model
     against directly measured overheads (``anchors``: max_loras, max_lora_rank, batch, n_lora, overhead_ms)."""
-    from ..twin.run import ResolvedServer, step_model
+    from ..server import ServerConfig
+    from ..twin.run import step_model
     from ..twin.steptime import compute_ms
 
     out = []
     for a in anchors:
-        srv = ResolvedServer(max_loras=int(a["max_loras"]), max_lora_rank=int(a["max_lora_rank"]),
-                             max_cpu_loras=int(a["max_loras"]), max_num_batched_tokens=profile.max_num_batched_tokens,
-                             max_num_seqs=profile.max_num_seqs, max_model_len=profile.max_model_len, starts=True,
-                             kv_cache_tokens=0, error_type=None)
+        srv = ServerConfig(max_loras=int(a["max_loras"]), max_lora_rank=int(a["max_lora_rank"]),
+                           max_cpu_loras=int(a["max_loras"]), max_num_batched_tokens=profile.max_num_batched_tokens,
+                           max_num_seqs=profile.max_num_seqs, max_model_len=profile.max_model_len)
         coef = step_model(profile, srv).to_array()
         b = int(round(a["batch"]))
         lv = max(1, int(round(a["n_lora"])))

@@ -17,7 +17,8 @@ import numpy as np
 from ..errors import DataError
 from ..profile import Profile
 from ..realruns import RunComparison
-from ..twin.run import ResolvedServer, step_model
+from ..server import ServerConfig
+from ..twin.run import step_model
 from ..twin.steptime import S0, SB, SBASE, SW, SWA, compute_ms, sched_ms
 
 GROUP_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
@@ -61,9 +62,8 @@ def _lora_ms(prof: Profile, steptime, a: int, s: int, b_dec: float, n_pf: float,
              ctx: float = 0.0) -> float:
     """Forward-pass time of one step with the given composition under ``steptime``."""
     p = prof.model_copy(update={"steptime": steptime})
-    srv = ResolvedServer(max_loras=a, max_lora_rank=s, max_cpu_loras=max(a, 1), max_num_batched_tokens=2048,
-                         max_num_seqs=2048, max_model_len=prof.max_model_len, starts=True, kv_cache_tokens=0,
-                         error_type=None)
+    srv = ServerConfig(max_loras=a, max_lora_rank=s, max_cpu_loras=max(a, 1), max_num_batched_tokens=2048,
+                       max_num_seqs=2048, max_model_len=prof.max_model_len)
     coef = step_model(p, srv).to_array()
     return float(compute_ms(coef, int(round(b_dec + (n_pf > 0))), int(round(n_pf)),
                             int(round(b_dec + n_pf)), ctx, int(round(n_lora))))

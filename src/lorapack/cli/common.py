@@ -65,6 +65,26 @@ def load_profile(model: str | None, gpu: str | None, profile: Path | None):
     return find_profile(model, gpu or DEFAULT_GPU)
 
 
+def apply_vllm_version(prof, version: str | None):
+    """The profile whose rule set the twin follows: ``--vllm-version`` overrides the profile's version (a
+    one-line warning: the timing constants were measured on the profile's); without it the profile's version
+    must parse (a development build's does not: a one-line error asks for ``--vllm-version``)."""
+    import warnings
+
+    from ..errors import LorapackWarning
+    from ..server import rules_for_version
+
+    if version is None:
+        rules_for_version(prof.vllm_version)
+        return prof
+    rules = rules_for_version(version)
+    if version == prof.vllm_version:
+        return prof
+    warnings.warn(f"--vllm-version {version}: the twin follows vLLM {rules.name}'s rules, but {prof.model}'s timing "
+                  f"constants were measured on vLLM {prof.vllm_version}", LorapackWarning, stacklevel=2)
+    return prof.model_copy(update={"vllm_version": version})
+
+
 def parse_int_list(text: str, option: str, minimum: int = 1) -> list[int]:
     """``"4,8,16"`` -> ``[4, 8, 16]`` (one value -> a list of one); a one-line ``SpecError`` otherwise."""
     parts = [p.strip() for p in str(text).split(",")]
@@ -106,7 +126,11 @@ ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="Profile YAML
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help=limits_help())]
 WorkersOpt = Annotated[int, typer.Option("--workers", help="Parallel processes (0 = all cores).")]
+VllmVersionOpt = Annotated[str | None, typer.Option(
+    "--vllm-version", help="vLLM version whose rules the twin follows (default: the profile's); the newest rule "
+                           "set at or below it applies (0.8.5, 0.32, 0.33).")]
 
-__all__ = ["DEFAULT_GPU", "ForceOpt", "GpuOpt", "JsonOpt", "ModelOpt", "ProfileOpt", "WorkersOpt", "atomic_path",
+__all__ = ["DEFAULT_GPU", "ForceOpt", "GpuOpt", "JsonOpt", "ModelOpt", "ProfileOpt", "VllmVersionOpt", "WorkersOpt",
+           "apply_vllm_version", "atomic_path",
            "check_limit", "check_output_dir", "check_output_file", "check_workers", "console", "err_console",
            "fmt", "json_safe", "limits", "load_profile", "parse_int_list", "print_json", "write_csv_atomic"]

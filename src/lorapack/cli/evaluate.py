@@ -11,7 +11,16 @@ import typer
 from rich.table import Table
 
 from ..errors import SpecError
-from .common import JsonOpt, check_output_dir, check_workers, console, fmt, print_json
+from .common import (
+    JsonOpt,
+    VllmVersionOpt,
+    apply_vllm_version,
+    check_output_dir,
+    check_workers,
+    console,
+    fmt,
+    print_json,
+)
 
 
 def check_out_dir(out: Path) -> Path:
@@ -44,6 +53,7 @@ def evaluate(
         help="Scenario groups (scenarios sharing a workload) evaluated in parallel processes.")] = 1,
     max_pack: Annotated[bool, typer.Option("--max-pack/--no-max-pack",
                                            help="Single-GPU Max_pack curves (where the files ask for them).")] = True,
+    vllm_version: VllmVersionOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Derive workloads from a trace, place them with every method (smallest pool and fixed pool), replay
@@ -85,6 +95,13 @@ def evaluate(
         scs = merged
     if not max_pack:
         scs = [replace(s, max_pack=False) for s in scs]
+    if vllm_version is not None:  # checked (and warned about) once per distinct profile, before any work
+        from ..evaluate.runner import load_scenario_profile
+
+        for key in {(s.model, s.gpu, s.profile_file) for s in scs}:
+            sc = next(s for s in scs if (s.model, s.gpu, s.profile_file) == key)
+            apply_vllm_version(load_scenario_profile(sc), vllm_version)
+        scs = [replace(s, vllm_version=vllm_version) for s in scs]
     names = [s.name for s in scs]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:

@@ -17,6 +17,8 @@ from .common import (
     JsonOpt,
     ModelOpt,
     ProfileOpt,
+    VllmVersionOpt,
+    apply_vllm_version,
     check_workers,
     console,
     err_console,
@@ -89,6 +91,7 @@ def place(
     host_pattern: Annotated[str | None, typer.Option(
         help="Host of each node in routes.json, e.g. 'gpu-node-{node}' (default: localhost on one node).")
     ] = None,
+    vllm_version: VllmVersionOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Place WORKLOAD's adapters on the fewest GPUs: which adapter where, each GPU's --max-loras, verified by the
@@ -117,7 +120,7 @@ def place(
         raise LorapackError(f"--models {models}: not a directory")
     if workers is not None:  # the same convention as every command: >= 0, 0 = all cores
         workers = check_workers(workers) or (os.cpu_count() or 1)
-    prof = load_profile(model, gpu, profile)
+    prof = apply_vllm_version(load_profile(model, gpu, profile), vllm_version)
     wl = load_workload(workload)
     law = _verify_law(verify_arrivals, wl)
     inst = instance_from_workload(wl, headroom=headroom, mean_input_tokens=mean_input_tokens,

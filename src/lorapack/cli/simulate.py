@@ -19,6 +19,8 @@ from .common import (
     JsonOpt,
     ModelOpt,
     ProfileOpt,
+    VllmVersionOpt,
+    apply_vllm_version,
     check_output_file,
     console,
     fmt,
@@ -142,6 +144,7 @@ def simulate(
              "(needs --client-cap 0; see stop_reason / simulated_s).")] = False,
     timeline: Annotated[Path | None, typer.Option(help="Write the 2 s timeline to this CSV.")] = None,
     force: ForceOpt = False,
+    vllm_version: VllmVersionOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Simulate one vLLM server serving WORKLOAD's adapters and report throughput, latency, starvation."""
@@ -159,7 +162,7 @@ def simulate(
     if early_stop and client_cap > 0:
         raise SpecError(f"--early-stop with --client-cap {client_cap}: early termination needs the cap off "
                         f"(held-back arrivals make the extrapolation unknowable); drop one of them")
-    prof = load_profile(model, gpu, profile)
+    prof = apply_vllm_version(load_profile(model, gpu, profile), vllm_version)
     wl = load_workload(workload)
     if mean_input_tokens is not None or mean_output_tokens is not None:
         # validated like the spec itself (finite, >= 1, reachable lognormal target, not 'empirical')

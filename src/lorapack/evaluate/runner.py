@@ -40,10 +40,17 @@ CONTRACT_KEYS = ("gpus_used", "gpus_used_fixed_pool", "lower_bound_gpus", "starv
                  "throughput_tok_s", "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "placement_ms")
 
 
+def with_vllm_version(prof: Profile, version: str | None) -> Profile:
+    """``prof`` whose behaviour follows vLLM ``version``'s rule set (None: as it is)."""
+    return prof if version is None or version == prof.vllm_version else prof.model_copy(
+        update={"vllm_version": version})
+
+
 def load_scenario_profile(sc: Scenario) -> Profile:
     from ..profile import find_profile, load_profile_file
 
-    return load_profile_file(sc.profile_file) if sc.profile_file else find_profile(sc.model, sc.gpu)
+    prof = load_profile_file(sc.profile_file) if sc.profile_file else find_profile(sc.model, sc.gpu)
+    return with_vllm_version(prof, sc.vllm_version)
 
 
 def derive_for(sc: Scenario, profile: Profile) -> DerivedWorkload:

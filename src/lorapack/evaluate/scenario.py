@@ -286,6 +286,7 @@ class Scenario:
     replay_seed: int
     max_pack: bool
     verify_arrivals: str = "estimation"
+    vllm_version: str | None = None  # ``evaluate --vllm-version``: overrides the profile's (its rule set)
 
     @property
     def objective_label(self) -> str:

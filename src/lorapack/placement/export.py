@@ -30,6 +30,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import SpecError
+from ..profile import Profile
 from .plan import Plan
 
 VLLM_VERSION = "0.8.5"
@@ -44,8 +45,9 @@ VLLM_SERVE_FLAGS: tuple[str, ...] = (
 # vLLM 0.8.5 V1, `gpu_memory_utilization = 0.9`, prefix caching off). Profiles have no field for these, so
 # they are pinned here: the KV capacity of a profile holds only at this memory fraction, and vLLM's V1 engine
 # turns prefix caching on by default (EngineArgs._set_default_args_v1), which the twin does not model.
-MEASURED_GPU_MEMORY_UTILIZATION = 0.9
-MEASURED_PREFIX_CACHING = False
+# (read from one place: the defaults of the profile's ``measured_*`` fields, which every shipped profile has)
+MEASURED_GPU_MEMORY_UTILIZATION = Profile.model_fields["measured_gpu_memory_utilization"].default
+MEASURED_PREFIX_CACHING = Profile.model_fields["measured_prefix_caching"].default
 # Environment of every server. VLLM_USE_V1=1: the V1 engine the profiles were measured with; set explicitly,
 # vLLM 0.8.5 raises instead of silently falling back to V0 for a feature V1 lacks (_raise_or_fallback), and
 # V0 would not enable chunked prefill with LoRA, refusing a token budget below --max-model-len.

@@ -13,6 +13,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..server import ServerConfig
+
 NAN = float("nan")
 
 # what limited a GPU: the reason it holds no more adapters / needs these flags
@@ -64,6 +66,13 @@ class GpuPlan:
             raise ValueError("one weight per adapter")
         if self.binding not in BINDING:
             raise ValueError(f"binding {self.binding!r}: expected one of {', '.join(BINDING)}")
+
+    def server_config(self) -> ServerConfig:
+        """This GPU's flags as the one server type (``lorapack.server.ServerConfig``). The fields above are
+        ``plan.json``'s serialised form of the same flags; ``evaluate`` and ``serve.sh`` go through this."""
+        return ServerConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                            max_cpu_loras=self.max_cpu_loras, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len)
 
 
 @dataclass

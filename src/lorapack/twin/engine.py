@@ -125,6 +125,7 @@ class ServerLimits(NamedTuple):
     disk_ms: np.ndarray  # [adapter] disk -> CPU load
     adapter_order: np.ndarray  # [adapter] position in the order the worker walks a batch's adapters
     lru_protects_batch: bool  # True: eviction never picks an adapter of the current batch (no cascade)
+    admission_running: bool  # max_loras rule: True = adapters of all running requests count (vLLM 0.33)
 
 class Requests(NamedTuple):
     """Per request: the arrivals (inputs) and their state."""
@@ -463,7 +464,11 @@ def _schedule_waiting(lim, st, budget, n_scheduled, n_adapters, n_missing):
     while c.n_waiting > 0 and budget > 0:
         if c.n_running == lim.max_num_seqs:
             break
-        if c.n_active_adapters < lim.max_loras:
+        # the max_loras rule (EngineConfig.admission): the adapters of this step's batch so far (vLLM <= 0.32)
+        # or of all running requests (0.33). The waiting pass runs only when the running pass scheduled every
+        # running request, so both sets are the running requests' adapters here and the two rules agree.
+        n_lora = c.n_active_adapters if lim.admission_running else n_adapters
+        if n_lora < lim.max_loras:
             a = q.all_adapter[1]  # any adapter may join the batch
         else:
             if q.active_key[1] == INF_KEY:
@@ -807,7 +812,7 @@ def server_limits(cfg: EngineConfig) -> ServerLimits:
         max_num_batched_tokens=int(cfg.max_num_batched_tokens), client_cap_waiting=int(cfg.client_cap),
         duration_s=float(cfg.duration_s), timeline_dt_s=float(cfg.timeline_dt_s), step_coef=cfg.step_coef,
         load_ms=cfg.load_ms, disk_ms=cfg.disk_ms, adapter_order=cfg.adapter_walk_order(),
-        lru_protects_batch=bool(cfg.lru_protects_batch))
+        lru_protects_batch=bool(cfg.lru_protects_batch), admission_running=cfg.admission == "running")
 
 
 class Engine:

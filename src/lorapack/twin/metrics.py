@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..server import ServerConfig
 from .gaps import percentile_ms
 from .steptime import compute_ms
 from .types import EngineConfig, EngineResult, RequestArrays
@@ -41,19 +42,9 @@ ADAPTER_GRACE_S = 120.0
 NAN = float("nan")
 
 
-@dataclass(frozen=True)
-class ServerSettings:
-    """The vLLM flags a run used, after defaults were applied (``twin.run.resolve_server``)."""
-
-    max_loras: int
-    max_lora_rank: int
-    max_cpu_loras: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int
-
-    def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+# the vLLM flags a run used, after defaults were applied (``twin.run.resolve_server``): a resolved
+# ``ServerConfig``. ``ServerSettings`` is its older name (deprecated alias).
+ServerSettings = ServerConfig
 
 
 @dataclass(frozen=True)
@@ -116,7 +107,7 @@ class RunMetrics:
     # how the run ended, with which flags
     stop_reason: str | None = None  # "full" or an early-stop reason (twin.early)
     simulated_s: float = NAN  # simulated window (< duration_s after an early stop)
-    server: ServerSettings | None = None
+    server: ServerConfig | None = None
     # set by ``twin.run.simulate``
     wall_s: float | None = None
     duration_s: float | None = None

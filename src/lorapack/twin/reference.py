@@ -115,6 +115,7 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
     n = len(req)
     n_adapters = cfg.n_adapters
     max_loras = int(cfg.max_loras)
+    admission_running = cfg.admission == "running"
     max_cpu_loras = int(cfg.max_cpu_loras)
     kv_blocks = int(cfg.kv_blocks)
     bs = int(cfg.block_size)
@@ -273,7 +274,9 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
         # 3. waiting pass, only if nothing was preempted in this step
         admitted: list[int] = []
         if not preempted:
-            lora_set = {adapter[r] for r, _ in scheduled}
+            # the max_loras rule (EngineConfig.admission): adapters of the requests scheduled this step
+            # (vLLM <= 0.32) or of all running requests (0.33)
+            lora_set = {adapter[r] for r in running} if admission_running else {adapter[r] for r, _ in scheduled}
             skipped: list[int] = []
             while len(waiting) > 0 and budget > 0:
                 if len(running) == mns:

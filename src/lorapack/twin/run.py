@@ -8,47 +8,29 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import LorapackWarning, SpecError
 from ..guards import Limits, check
 from ..profile import VLLM_LORA_RANKS, Profile, smallest_vllm_rank
+from ..server import VLLM_0_8_5, ServerConfig, VllmRules
 from ..workload.cost import estimate_workload
 from .early import EarlyStopOptions, run_with_early_stop
 from .engine import simulate_fast
-from .metrics import RunMetrics, ServerSettings, compute_metrics
+from .metrics import RunMetrics, compute_metrics
 from .steptime import StepModel
-from .types import INT32_MAX, INT64_SAFE, EngineConfig, EngineResult, RequestArrays
+from .types import INT32_MAX, EngineConfig, EngineResult, RequestArrays
 
 DEFAULT_DURATION_S = 3600.0
 # twin.md §2.6: the real benchmark client plateaued at ~25.5k waiting requests
 REAL_CLIENT_CAP = 25_500
 
 
-@dataclass(frozen=True)
-class ServerFlags:
-    """vLLM server flags the twin models. ``None`` = vLLM's / the profile's default."""
-
-    max_loras: int
-    max_lora_rank: int | None = None  # default: the smallest value vLLM accepts that holds every served rank
-    max_cpu_loras: int | None = None  # default: number of served adapters (at least max_loras)
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    client_cap: int = 0  # client-saturation cap (twin.md §2.6), 0 = off
-    warm_start: bool = True
-
-    def __post_init__(self) -> None:
-        # types only (values are checked against the profile and the adapters by ``resolve_server``)
-        for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_batched_tokens", "max_num_seqs",
-                     "max_model_len", "client_cap"):
-            v = getattr(self, name)
-            if v is None and name not in ("max_loras", "client_cap"):
-                continue
-            if isinstance(v, bool) or not isinstance(v, int | np.integer) or abs(v) > INT64_SAFE:
-                raise SpecError(f"--{name.replace('_', '-')} {v!r}: expected an integer")
+# ``ServerFlags`` is the older name of ``lorapack.server.ServerConfig`` (deprecated alias, kept because the
+# testbed, its real tests and many call sites build ``ServerFlags(max_loras=..., ...)``): the same type.
+ServerFlags = ServerConfig
 
 
 def check_seconds(value, name: str = "--duration-s") -> float:
@@ -70,36 +52,41 @@ def check_ranks(ranks) -> np.ndarray:
     return a.astype(np.int32)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ResolvedServer:
-    max_loras: int
-    max_lora_rank: int
-    max_cpu_loras: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int
+    """A ``ServerConfig`` with every flag and the rule set resolved (``config``) and the start-up rule's outcome.
+
+    It restates no flag: ``srv.max_loras`` etc. read ``srv.config``."""
+
+    config: ServerConfig
     starts: bool
     kv_cache_tokens: int
     error_type: str | None
-    extra: dict = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        if name == "config":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.config, name)
 
 
-def check_lora_ranks(ranks: np.ndarray, max_lora_rank: int | None) -> int:
-    """vLLM 0.8.5's rank rules; returns the slot rank S.
+def check_lora_ranks(ranks: np.ndarray, max_lora_rank: int | None,
+                     choices: tuple[int, ...] = VLLM_LORA_RANKS) -> int:
+    """vLLM's rank rules (``choices``: the version's accepted values, 0.8.5's by default); returns the slot
+    rank S.
 
-    ``--max-lora-rank`` must be one of ``VLLM_LORA_RANKS`` (``LoRAConfig`` refuses to start otherwise; the
+    ``--max-lora-rank`` must be one of ``choices`` (``LoRAConfig`` refuses to start otherwise; the
     default is the smallest accepted value that holds the largest adapter); an adapter of a rank above it is
     refused when it is loaded (``PEFTHelper.validate_legal``). An adapter's own rank may be any integer up to
     S: vLLM pads it into its slot."""
     max_rank = int(np.max(ranks))
     if max_lora_rank is None:
-        if max_rank > VLLM_LORA_RANKS[-1]:
+        if max_rank > choices[-1]:
             raise SpecError(f"adapter rank {max_rank} exceeds the largest --max-lora-rank vLLM accepts "
-                            f"({VLLM_LORA_RANKS[-1]})")
-        return smallest_vllm_rank(max_rank)
+                            f"({choices[-1]})")
+        return smallest_vllm_rank(max_rank, choices)
     s = int(max_lora_rank)
-    if s not in VLLM_LORA_RANKS:
-        raise SpecError(f"--max-lora-rank {s}: vLLM accepts only {', '.join(map(str, VLLM_LORA_RANKS))}")
+    if s not in choices:
+        raise SpecError(f"--max-lora-rank {s}: vLLM accepts only {', '.join(map(str, choices))}")
     if s < max_rank:
         raise SpecError(f"--max-lora-rank {s} is below the largest adapter rank {max_rank} (vLLM refuses to load "
                         f"it); expected --max-lora-rank >= {max_rank}")
@@ -116,15 +103,17 @@ def warn_uncalibrated_ranks(profile: Profile, ranks: np.ndarray, slot_rank: int)
                       stacklevel=3)
 
 
-def resolve_server(profile: Profile, ranks: np.ndarray, flags: ServerFlags) -> ResolvedServer:
-    """Apply defaults, check the flags against the adapters (vLLM's rules) and the start-up rule
-    (twin.md §3.4)."""
+def resolve_server(profile: Profile, ranks: np.ndarray, flags: ServerConfig) -> ResolvedServer:
+    """Apply defaults and the version's rule set, check the flags against the adapters (vLLM's rules) and the
+    start-up rule (twin.md §3.4; from vLLM 0.32 also one ``max_model_len`` sequence in the KV cache minus one
+    block)."""
     n_adapters = len(ranks)
     if n_adapters == 0:
         raise SpecError("the workload has no adapters; expected at least one")
     if flags.max_loras < 1:
         raise SpecError(f"--max-loras {flags.max_loras}: expected an integer >= 1")
-    s = check_lora_ranks(ranks, flags.max_lora_rank)
+    rules = flags.version_rules(profile.vllm_version)
+    s = check_lora_ranks(ranks, flags.max_lora_rank, rules.lora_ranks)
     warn_uncalibrated_ranks(profile, ranks, s)
     n_cpu = max(n_adapters, flags.max_loras) if flags.max_cpu_loras is None else int(flags.max_cpu_loras)
     if n_cpu < flags.max_loras:
@@ -140,16 +129,28 @@ def resolve_server(profile: Profile, ranks: np.ndarray, flags: ServerFlags) -> R
             raise SpecError(f"{name} {v}: expected an integer >= 1")
     if flags.client_cap < 0:
         raise SpecError(f"--client-cap {flags.client_cap}: expected an integer >= 0 (0 = off)")
-    starts, kv, err = profile.startup(flags.max_loras, s, mml)
-    return ResolvedServer(
+    gmu = profile.measured_gpu_memory_utilization
+    if flags.gpu_memory_utilization is not None and float(flags.gpu_memory_utilization) != gmu:
+        warnings.warn(f"--gpu-memory-utilization {flags.gpu_memory_utilization}: the twin models the KV cache at "
+                      f"{gmu}, the fraction {profile.model}'s profile was measured with", LorapackWarning,
+                      stacklevel=3)
+    starts, kv, err = profile.startup(flags.max_loras, s, mml, kv_start=rules.kv_start)
+    config = flags.replace(
         max_loras=int(flags.max_loras), max_lora_rank=s, max_cpu_loras=n_cpu,
         max_num_batched_tokens=flags.max_num_batched_tokens or profile.max_num_batched_tokens,
         max_num_seqs=flags.max_num_seqs or profile.max_num_seqs, max_model_len=mml,
-        starts=starts, kv_cache_tokens=int(kv), error_type=err)
+        gpu_memory_utilization=gmu if flags.gpu_memory_utilization is None else float(flags.gpu_memory_utilization),
+        enable_prefix_caching=(profile.measured_prefix_caching if flags.enable_prefix_caching is None
+                               else bool(flags.enable_prefix_caching)),
+        vllm_version=flags.vllm_version or profile.vllm_version, rules=rules)
+    return ResolvedServer(config=config, starts=starts, kv_cache_tokens=int(kv), error_type=err)
 
 
-def step_model(profile: Profile, srv: ResolvedServer) -> StepModel:
+def step_model(profile: Profile, srv: ResolvedServer | ServerConfig) -> StepModel:
+    """The step-time coefficients of ``profile`` at the server's flags (``max_loras``, ``max_lora_rank``,
+    ``max_cpu_loras``: resolved values) and its rule set's active-adapter term (0 for every version so far)."""
     st, sc = profile.steptime, profile.scheduler
+    rules = srv.rules or VLLM_0_8_5
     slots = st.e4_ms_per_ktok_slot * srv.max_loras / 1000.0  # per-token cost of the slot grid
     e1p = st.e1_ms_per_token if st.e1p_ms_per_prefill_token is None else st.e1p_ms_per_prefill_token
     gamma_token, gamma_adapter = st.rank_exponents()
@@ -157,7 +158,7 @@ def step_model(profile: Profile, srv: ResolvedServer) -> StepModel:
         c0_ms=st.c0_ms, c1_ms_per_req=st.c1_ms_per_req, p1_ms_per_prefill_token=st.p1_ms_per_prefill_token,
         a3_ms_per_kctx=st.a3_ms_per_kctx, lora_form=st.lora_form, e0_ms=st.e0_ms,
         e1_ms_per_token=st.e1_ms_per_token + slots, e1p_ms_per_prefill_token=e1p + slots,
-        e2_ms_per_adapter=st.e2_ms_per_adapter,
+        e2_ms_per_adapter=st.e2_ms_per_adapter + rules.active_adapter_step_ms,
         e3_ms_per_kreq_adapter=st.e3_ms_per_kreq_adapter,
         shrink_grid_ms_per_kblock=st.e5_ms_per_kblock_slot * (srv.max_loras + 1) * -(-srv.max_lora_rank // 16),
         rank_scale=(srv.max_lora_rank / 8.0) ** gamma_adapter,
@@ -181,7 +182,8 @@ def engine_config(profile: Profile, ranks: np.ndarray, srv: ResolvedServer, dura
         duration_s=duration_s, max_num_seqs=srv.max_num_seqs,
         max_num_batched_tokens=srv.max_num_batched_tokens, block_size=profile.block_size,
         warm_gpu=warm_start, warm_cpu=True, client_cap=client_cap,
-        ttft_overhead_ms=profile.frontend.ttft_overhead_ms if profile.frontend is not None else 0.0)
+        ttft_overhead_ms=profile.frontend.ttft_overhead_ms if profile.frontend is not None else 0.0,
+        admission=(srv.rules or VLLM_0_8_5).admission)
 
 
 def oom_metrics(srv: ResolvedServer, n_generated: int) -> RunMetrics:
@@ -191,24 +193,42 @@ def oom_metrics(srv: ResolvedServer, n_generated: int) -> RunMetrics:
                       n_completed=0, n_generated=n_generated)
 
 
-def server_settings(srv: ResolvedServer) -> ServerSettings:
-    return ServerSettings(max_loras=srv.max_loras, max_lora_rank=srv.max_lora_rank,
-                          max_cpu_loras=srv.max_cpu_loras, max_num_batched_tokens=srv.max_num_batched_tokens,
-                          max_num_seqs=srv.max_num_seqs, max_model_len=srv.max_model_len)
-
-
 def reject_over_long(req: RequestArrays, max_model_len: int) -> np.ndarray | None:
-    """The requests vLLM accepts (a mask), or None when it accepts all: the OpenAI server refuses a request
-    whose prompt plus ``max_tokens`` (the benchmark client sets it to O) exceeds ``--max-model-len``."""
+    """The requests vLLM 0.8.5 accepts (a mask), or None when it accepts all: the OpenAI server refuses a
+    request whose prompt plus ``max_tokens`` (the benchmark client sets it to O) exceeds ``--max-model-len``."""
     too_long = req.prompt_tokens.astype(np.int64) + req.output_tokens.astype(np.int64) > max_model_len
     return ~too_long if too_long.any() else None
+
+
+def admit_over_long(req: RequestArrays, max_model_len: int, rules: VllmRules
+                    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``(kept, clamped)`` under the version's over-long rule: ``kept`` the requests the server accepts (a
+    mask; None = all), ``clamped`` those it serves with the output cut to ``max_model_len - prompt`` tokens
+    (a mask over ``req``; None = none).
+
+    ``refuse_sum`` (vLLM 0.8.5): prompt + ``max_tokens`` > ``--max-model-len`` is refused (HTTP 400).
+    ``clamp_output`` (vLLM 0.32, measured on the testbed): refused iff prompt >= ``--max-model-len`` ("max_tokens
+    must be at least 1, got 0") or ``max_tokens`` > ``--max-model-len``; otherwise served, the output cut."""
+    if rules.over_long == "refuse_sum":
+        return reject_over_long(req, max_model_len), None
+    p = req.prompt_tokens.astype(np.int64)
+    o = req.output_tokens.astype(np.int64)
+    refused = (p >= max_model_len) | (o > max_model_len)
+    clamped = ~refused & (p + o > max_model_len)
+    return (~refused if refused.any() else None), (clamped if clamped.any() else None)
 
 
 def _subset(req: RequestArrays, keep: np.ndarray) -> RequestArrays:
     return RequestArrays(req.t_arr_s[keep], req.adapter[keep], req.prompt_tokens[keep], req.output_tokens[keep])
 
 
-def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, flags: ServerFlags,
+def _clamp_outputs(req: RequestArrays, clamped: np.ndarray, max_model_len: int) -> RequestArrays:
+    out = req.output_tokens.copy()
+    out[clamped] = max_model_len - req.prompt_tokens[clamped]
+    return RequestArrays(req.t_arr_s, req.adapter, req.prompt_tokens, out)
+
+
+def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, flags: ServerConfig,
                       duration_s: float = DEFAULT_DURATION_S, early_stop: EarlyStopOptions | None = None,
                       limits: Limits | None = None) -> tuple[RunMetrics, EngineResult | None]:
     """Run the twin on given arrivals. Returns ``(metrics, engine_result)``; the result is None on OOM.
@@ -217,8 +237,9 @@ def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, f
     the run-level metrics are extrapolated (``twin.early``); the engine result is then partial. (With a
     client cap the run is simulated in full: held-back arrivals make the extrapolation unknowable.)
 
-    Requests longer than ``--max-model-len`` (prompt + output) are rejected as vLLM rejects them: they never
-    reach the engine, the metrics count them in ``n_rejected`` / ``rejected_tok_s`` only (not as load: more GPUs
+    Requests longer than ``--max-model-len`` (prompt + output) follow the version's over-long rule
+    (``admit_over_long``): from vLLM 0.32 most are served with their output cut to fit (a ``LorapackWarning``
+    says how many; the engine runs them with the shorter output). Refused requests never reach the engine, the metrics count them in ``n_rejected`` / ``rejected_tok_s`` only (not as load: more GPUs
     would not serve them), a ``LorapackWarning`` says how many, and the engine result (per request, aligned
     with ``req``) shows them as never sent.
 
@@ -228,15 +249,22 @@ def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, f
     ranks = check_ranks(ranks)
     if not isinstance(req, RequestArrays):
         raise SpecError(f"req: expected RequestArrays, got {type(req).__name__}")
-    if not isinstance(flags, ServerFlags):
-        raise SpecError(f"flags: expected ServerFlags, got {type(flags).__name__}")
+    if not isinstance(flags, ServerConfig):
+        raise SpecError(f"flags: expected ServerConfig, got {type(flags).__name__}")
     req.check(len(ranks))
     srv = resolve_server(profile, ranks, flags)
-    server = server_settings(srv)
+    server = srv.config
     if not srv.starts:
         return oom_metrics(srv, len(req)).replace(server=server), None
     cfg = engine_config(profile, ranks, srv, duration_s, flags.client_cap, flags.warm_start)
-    kept = reject_over_long(req, srv.max_model_len)
+    kept, clamped = admit_over_long(req, srv.max_model_len, srv.rules)
+    if clamped is not None:
+        req = _clamp_outputs(req, clamped, srv.max_model_len)
+        n_cut = int((clamped & (req.t_arr_s < duration_s)).sum())
+        if n_cut:
+            warnings.warn(f"{n_cut} request(s) are longer than --max-model-len {srv.max_model_len} (prompt + output "
+                          f"tokens): vLLM {srv.rules.name} serves them with the output cut to fit",
+                          LorapackWarning, stacklevel=2)
     served = req if kept is None else _subset(req, kept)
     if early_stop is not None:
         res, metrics, _eng = run_with_early_stop(cfg, served, early_stop, limits)
@@ -250,13 +278,15 @@ def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, f
         metrics = metrics.replace(n_rejected=int(gone.sum()), rejected_tok_s=tokens / duration_s)
         res = res.expanded(kept)
         if gone.any():
-            warnings.warn(f"{int(gone.sum())} request(s) are longer than --max-model-len {srv.max_model_len} (prompt "
-                          f"+ output tokens): vLLM rejects them; they are counted in n_rejected, not served",
+            why = "(prompt + output tokens)" if srv.rules.over_long == "refuse_sum" else \
+                "(prompt >= it, or output > it)"
+            warnings.warn(f"{int(gone.sum())} request(s) are longer than --max-model-len {srv.max_model_len} {why}: "
+                          f"vLLM rejects them; they are counted in n_rejected, not served",
                           LorapackWarning, stacklevel=2)
     return metrics.replace(kv_cache_tokens=srv.kv_cache_tokens, server=server), res
 
 
-def simulate(profile: Profile, workload, flags: ServerFlags, duration_s: float | None = None,
+def simulate(profile: Profile, workload, flags: ServerConfig, duration_s: float | None = None,
              seed: int = 0, early_stop: EarlyStopOptions | None = None, limits: Limits | None = None
              ) -> tuple[RunMetrics, EngineResult | None]:
     """Generate the workload's arrivals with ``seed`` and simulate them; sets ``wall_s``, ``duration_s``,

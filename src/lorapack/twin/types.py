@@ -144,7 +144,9 @@ def check_adapters(adapter: np.ndarray, n_adapters: int) -> None:
 
 @dataclass
 class EngineConfig:
-    """One server as the engine sees it. Built from a Profile + server flags by ``twin.run``."""
+    """One server as the engine sees it: flat arrays and numbers, built from a Profile and a resolved
+    ``lorapack.server.ServerConfig`` by ``twin.run.engine_config`` (the flags here are copied from it; the
+    engines and their tests build it directly)."""
 
     load_ms: np.ndarray  # float64 [n_adapters]: CPU -> GPU activation cost of each adapter (slot rank S)
     disk_ms: np.ndarray  # float64 [n_adapters]: disk -> CPU load cost of each adapter
@@ -171,6 +173,10 @@ class EngineConfig:
     # is the simpler policy of twin.md §2.5 (evict only adapters outside the batch, load in increasing index).
     adapter_order: np.ndarray | None = None
     lru_protects_batch: bool = False
+    # the max_loras rule of the waiting pass (``lorapack.server.VllmRules.admission``): "scheduled" = the
+    # adapters of the requests scheduled this step count (vLLM <= 0.32), "running" = those of all running
+    # requests (vLLM 0.33). See docs/engine-semantics.md, waiting pass.
+    admission: str = "scheduled"
 
     def __post_init__(self) -> None:
         self.check()
@@ -206,6 +212,8 @@ class EngineConfig:
         if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating) \
                 or not math.isfinite(v) or v < 0:
             raise SpecError(f"ttft_overhead_ms {v!r}: expected a finite number of ms >= 0")
+        if self.admission not in ("scheduled", "running"):
+            raise SpecError(f"admission {self.admission!r}: expected 'scheduled' or 'running'")
         if not isinstance(self.lru_protects_batch, bool | np.bool_):
             raise SpecError(f"lru_protects_batch {self.lru_protects_batch!r}: expected True or False")
         if self.adapter_order is not None:
