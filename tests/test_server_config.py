@@ -213,18 +213,27 @@ def test_new_profile_fields_are_neutral(prof) -> None:
 
 # ---- the CLI -----------------------------------------------------------------------------------------------
 def test_cli_vllm_version_warns_in_one_line(monkeypatch, capsys) -> None:
-    demo = str(DEMO)
-    code, _out, err = run_main(monkeypatch, capsys, "simulate", demo, "-m", LLAMA, "-a", "8", "--duration-s", "30",
+    code, _out, err = run_main(monkeypatch, capsys, "simulate", str(DEMO), "-m", LLAMA, "-a", "8", "--duration-s", "30",
                                "--vllm-version", "0.33.0", "--json")
     assert code == 0, err
     lines = [ln for ln in err.splitlines() if "--vllm-version" in ln]
     assert len(lines) == 1 and lines[0].startswith("warning:") and "measured on vLLM 0.8.5" in lines[0]
 
 
-@pytest.mark.parametrize("command", ["simulate", "place"])
+@pytest.mark.parametrize("command", ["simulate", "place", "evaluate"])
 def test_cli_vllm_version_error(monkeypatch, capsys, tmp_path, command) -> None:
-    demo = str(DEMO)
-    args = ["-a", "8"] if command == "simulate" else ["--out", str(tmp_path / "plan")]
-    code, _out, err = run_main(monkeypatch, capsys, command, demo, "-m", LLAMA, *args,
-                               "--vllm-version", "0.1.dev6216+g1234")
+    args = {"simulate": [str(DEMO), "-m", LLAMA, "-a", "8"],
+            "place": [str(DEMO), "-m", LLAMA, "--out", str(tmp_path / "plan")],
+            "evaluate": [str(DEMO.parent / "demo-scenario.yaml"), "--out", str(tmp_path / "ev")]}[command]
+    code, _out, err = run_main(monkeypatch, capsys, command, *args, "--vllm-version", "0.1.dev6216+g1234")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--vllm-version" in err
+
+
+def test_evaluate_scenarios_carry_the_version() -> None:
+    from lorapack.evaluate.runner import load_scenario_profile
+    from lorapack.evaluate.scenario import load_scenarios
+
+    sc = load_scenarios(DEMO.parent / "demo-scenario.yaml")[0]
+    assert load_scenario_profile(sc).vllm_version == "0.8.5"
+    prof = load_scenario_profile(dataclasses.replace(sc, vllm_version="0.33.0"))
+    assert prof.vllm_version == "0.33.0" and rules_for_version(prof.vllm_version).admission == "running"

@@ -137,9 +137,8 @@ class GpuCandidate:
     @property
     def slot_rank(self) -> int:
         """S: the ``--max-lora-rank`` this GPU runs with."""
-        if self.max_lora_rank is not None:
-            return int(self.max_lora_rank)
-        return default_slot_rank(int(self.ranks.max()), rules_for_version(self.profile.vllm_version).lora_ranks)
+        # placement's default is the smallest of 0.8.5's values (8 and up): every version accepts them
+        return int(self.max_lora_rank) if self.max_lora_rank is not None else default_slot_rank(int(self.ranks.max()))
 
     @property
     def cpu_loras(self) -> int:

@@ -376,7 +376,8 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
                 "verify_arrivals": _law(verify_arrivals) if verify else None,
                 "split_hot": split_hot, "mean_input_tokens": inst.mean_input_tokens,
                 "mean_output_tokens": inst.mean_output_tokens,
-                "oracle": getattr(oracle, "name", None) or METHOD_ORACLE.get(method, "none")}
+                "oracle": getattr(oracle, "name", None) or METHOD_ORACLE.get(method, "none"),
+                "vllm_version": profile.vllm_version}  # the rule set the twin followed (place --vllm-version)
 
     ctx.say("lower bound")
     # the latency row needs the twin: skipped with a toy capacity unless a toy latency capacity comes with it
