@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import SpecError
-from ..placement.plan import GpuPlan, Plan
+from ..placement.plan import Plan
 from ..profile import Profile
+from ..server import ServerConfig
 from ..twin.types import RequestArrays
 from ..workload.derive import DerivedWorkload
 
@@ -192,7 +193,7 @@ class GpuTask:
     key: tuple
     ranks: np.ndarray
     requests: RequestArrays
-    flags: tuple  # (max_loras, max_lora_rank, max_cpu_loras, max_num_seqs, max_num_batched_tokens, max_model_len)
+    flags: ServerConfig  # the GPU's flags (``GpuPlan.server_config()``; hashable, part of ``key``)
     adapter_ids: tuple[str, ...]
 
 
@@ -245,15 +246,10 @@ def split_plan(plan: Plan, derived: DerivedWorkload, draws: np.ndarray, partial:
         srt = np.lexsort((loc, rep.t_arr_s[rows]))
         rows, loc = rows[srt], loc[srt]
         req = RequestArrays(rep.t_arr_s[rows], loc, rep.prompt_tokens[rows], rep.output_tokens[rows])
-        flags = _flags(g)
+        flags = g.server_config()
         tasks.append(GpuTask(key=(tuple(key), flags), ranks=derived.ranks[[index[a] for a in g.adapters]],
                              requests=req, flags=flags, adapter_ids=tuple(g.adapters)))
     return tasks
-
-
-def _flags(g: GpuPlan) -> tuple:
-    return (int(g.max_loras), int(g.max_lora_rank), int(g.max_cpu_loras), int(g.max_num_seqs),
-            int(g.max_num_batched_tokens), None if g.max_model_len is None else int(g.max_model_len))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -264,13 +260,11 @@ def replay_gpu(profile: Profile, task: GpuTask, window_s: float) -> GpuReplay:
     """The twin run of one GPU over the whole window (pure: safe in a worker process)."""
     import time
 
-    from ..twin.run import ServerFlags, simulate_requests
+    from ..twin.run import simulate_requests
 
     t0 = time.perf_counter()
-    a, s, n_cpu, seqs, mbt, mml = task.flags
-    flags = ServerFlags(max_loras=a, max_lora_rank=s, max_cpu_loras=n_cpu, max_num_seqs=seqs,
-                        max_num_batched_tokens=mbt, max_model_len=mml)
-    m, res = simulate_requests(profile, task.ranks, task.requests, flags, window_s)
+    a, s = task.flags.max_loras, task.flags.max_lora_rank
+    m, res = simulate_requests(profile, task.ranks, task.requests, task.flags, window_s)
     req = task.requests
     if res is None:  # vLLM refuses to start: nothing completes
         p = req.prompt_tokens.astype(np.int64)
