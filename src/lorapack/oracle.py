@@ -115,6 +115,15 @@ class GpuCandidate:
         object.__setattr__(self, "max_loras", int(self.max_loras))
 
     @classmethod
+    def for_server(cls, profile: Profile, ranks: np.ndarray, rates_rps: np.ndarray, server: ServerConfig,
+                   mean_input_tokens: float | None = None, mean_output_tokens: float | None = None) -> GpuCandidate:
+        """The candidate of a server configured by ``server`` (its flags; the version comes from ``profile``)."""
+        return cls(profile=profile, ranks=ranks, rates_rps=rates_rps, max_loras=server.max_loras,
+                   max_lora_rank=server.max_lora_rank, max_cpu_loras=server.max_cpu_loras,
+                   max_num_seqs=server.max_num_seqs, max_num_batched_tokens=server.max_num_batched_tokens,
+                   mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens)
+
+    @classmethod
     def prevalidated(cls, profile: Profile, ranks: np.ndarray, rates_rps: np.ndarray, max_loras: int,
                      mean_input_tokens: float | None = None, mean_output_tokens: float | None = None
                      ) -> GpuCandidate:

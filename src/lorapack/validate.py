@@ -27,6 +27,7 @@ from .realruns import (
     read_runs,
     row_float,
     score_runs,
+    server_flags,
     simulate_run,
     startup_prediction,
 )
@@ -70,14 +71,9 @@ def row_candidate(row: dict, profile: Profile):
     """The GPU of a real run as an oracle question (the features depend on the multisets, not the order)."""
     from .oracle import GpuCandidate
 
-    n = row_float(row, "n_adapters")
-    return GpuCandidate(
-        profile=profile, ranks=np.array(parse_counts(row["rank_counts"], int)),
-        rates_rps=np.array(parse_counts(row["rate_counts"], float)), max_loras=int(float(row["max_loras"])),
-        max_lora_rank=int(float(row["max_lora_rank"])), max_cpu_loras=int(row_float(row, "max_cpu_loras", n)),
-        max_num_seqs=int(row_float(row, "max_num_seqs", profile.max_num_seqs)),
-        max_num_batched_tokens=int(row_float(row, "max_num_batched_tokens", profile.max_num_batched_tokens)),
-        mean_input_tokens=row_float(row, "mean_input_tokens"), mean_output_tokens=row_float(row, "mean_output_tokens"))
+    return GpuCandidate.for_server(
+        profile, np.array(parse_counts(row["rank_counts"], int)), np.array(parse_counts(row["rate_counts"], float)),
+        server_flags(row, profile), row_float(row, "mean_input_tokens"), row_float(row, "mean_output_tokens"))
 
 
 def learned_predictions(rows: list[dict], todo: list[int], profiles: dict[str, Profile], engine: str,
