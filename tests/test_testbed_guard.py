@@ -157,3 +157,26 @@ def test_lorapack_needs_neither_torch_nor_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_an_install_killed_half_way_is_removed_and_redone(monkeypatch, tmp_path: Path):
+    """A testbed folder without ready.json (an install killed with -9) is never used: the next install removes
+    it and runs every step again; a second install then finds it ready and runs nothing."""
+    monkeypatch.setenv(testbed_env.CACHE_ENV_VAR, str(tmp_path))
+    ran: list[str] = []
+    monkeypatch.setattr(testbed_env, "_run", lambda cmd, log, what: ran.append(what))
+    monkeypatch.setattr(testbed_env, "_alias_vllm_dist", lambda venv: None)
+    version = testbed_env._python_version(testbed_env.testbed_python())
+    partial = tmp_path / testbed_env.cache_key(version)
+    (partial / "venv").mkdir(parents=True)
+    (partial / "venv" / "half-written").write_text("x")
+    assert testbed_env.find_testbed() is None
+    said: list[str] = []
+    tb = testbed_env.install(say=said.append)
+    assert any("incomplete" in s for s in said)
+    assert not (partial / "venv" / "half-written").exists()
+    assert "installing the pinned packages" in ran and "generating the tiny model" in ran
+    assert testbed_env.find_testbed().root == tb.root
+    ran.clear()
+    testbed_env.install(say=said.append)
+    assert ran == [] and "cached" in said[-1]
