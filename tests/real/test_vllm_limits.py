@@ -14,6 +14,7 @@ import pytest
 
 from lorapack.errors import LorapackError, ProfileError, SpecError
 from lorapack.profile import VLLM_LORA_RANKS, find_profile
+from lorapack.testbed.env import VLLM_VERSION
 from lorapack.testbed.replay import Arrival, twin_replay
 from lorapack.testbed.server import start_server
 from lorapack.twin.run import ServerFlags
@@ -52,20 +53,29 @@ def test_over_long_requests_status_and_served_tokens(servers):
             assert body["usage"]["completion_tokens"] == expected, (prompt, output, body["usage"])
 
 
-def test_the_twin_rejects_what_vllm_032_rejects_and_more():
-    """The twin's rule (vLLM 0.8.5: refuse prompt + max_tokens > --max-model-len) refuses every request 0.32
-    refuses, and also those 0.32 serves cut short: exactly the pairs with prompt < mml, max_tokens <= mml and
-    prompt + max_tokens > mml. (No server needed: the 0.32 side is ``served_tokens_032``, pinned by the test
-    above.)"""
+def _twin_lengths(version: str) -> tuple[set, dict]:
+    """The twin under ``version``'s rules on LENGTH_CASES: (refused cases, {served case: tokens it serves})."""
     llama = find_profile("llama-3.1-8b-instruct")
-    arrivals = [Arrival(0.01 * i, "a", p, o) for i, (p, o) in enumerate(LENGTH_CASES)]
+    arrivals = [Arrival(0.5 * i, "a", p, o) for i, (p, o) in enumerate(LENGTH_CASES)]
+    flags = ServerFlags(max_loras=1, max_model_len=MML, vllm_version=version)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, engine = twin_replay(llama, ["a"], [8], arrivals, ServerFlags(max_loras=1, max_model_len=MML), 60.0)
-    twin_refused = {c for c, t in zip(LENGTH_CASES, engine.t_sent_s, strict=True) if np.isnan(t)}
+        _, engine = twin_replay(llama, ["a"], [8], arrivals, flags, 120.0)
+    refused = {c for c, t in zip(LENGTH_CASES, engine.t_sent_s, strict=True) if np.isnan(t)}
+    return refused, engine
+
+
+def test_the_twin_under_032_rules_refuses_and_cuts_what_the_server_does():
+    """With the testbed's version (``clamp_output`` rule) the twin refuses exactly the requests vLLM 0.32
+    refuses (``served_tokens_032``, pinned against the server by the test above) and serves the others; under
+    0.8.5's rule (``refuse_sum``) it also refuses exactly those 0.32 serves cut short. (No server needed.)"""
     refused_032 = {c for c in LENGTH_CASES if served_tokens_032(*c, MML) is None}
-    assert refused_032 <= twin_refused
-    assert twin_refused - refused_032 == {(p, o) for p, o in LENGTH_CASES if p < MML and o <= MML and p + o > MML}
+    twin_032, engine = _twin_lengths(VLLM_VERSION)
+    assert twin_032 == refused_032
+    assert all(np.isfinite(engine.t_finish_s[i]) for i, c in enumerate(LENGTH_CASES) if c not in refused_032)
+    twin_085, _ = _twin_lengths("0.8.5")
+    assert refused_032 <= twin_085
+    assert twin_085 - refused_032 == {(p, o) for p, o in LENGTH_CASES if p < MML and o <= MML and p + o > MML}
 
 
 def test_unknown_adapter_and_runtime_loading_disabled(servers):

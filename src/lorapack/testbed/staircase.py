@@ -5,7 +5,8 @@ waiting request only while the adapters of the requests scheduled this step leav
 adapters are served a few at a time, in queue order: a staircase of first-token times. ``run_staircase`` sends
 one design to a server, runs the same requests through the twin (the shipped Llama profile, fed the client's
 actual send times) and returns the first-token order agreement over the request pairs with different adapters
-sent at least 20 ms apart.
+sent at least 20 ms apart. The twin follows the rule set of the testbed's vLLM version
+(``lorapack.server.rules_for_version``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lorapack.testbed.env import VLLM_VERSION
 from lorapack.testbed.replay import Arrival, ReplayResult, order_agreement, replay, twin_replay
 
 ADAPTERS = ("r8-0", "r8-1", "r16-0", "r16-1", "r32-0", "r32-1")
@@ -104,8 +106,8 @@ def run_staircase(url: str, profile, name: str, max_loras: int, attempts: int = 
     bad = [(r.index, r.status, r.error) for r in result.records if r.status != 200]
     if bad:
         raise AssertionError(f"requests failed: {bad[:3]}")
-    _, engine = twin_replay(profile, ADAPTERS, RANKS, arrivals, ServerFlags(**server_flags(max_loras)), 120.0,
-                            sent_s=sent)
+    flags = ServerFlags(**server_flags(max_loras), vllm_version=VLLM_VERSION)  # the testbed's rules
+    _, engine = twin_replay(profile, ADAPTERS, RANKS, arrivals, flags, 120.0, sent_s=sent)
     real_first = np.array([r.t_first_server_s for r in result.records])
     share, pairs = order_agreement(sent, [a.adapter_id for a in arrivals], real_first, engine.t_first_s,
                                    MIN_PAIR_GAP_S)
