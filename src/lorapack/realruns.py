@@ -172,10 +172,11 @@ def build_workload(row: dict, seed: int, lengths: str = "lognormal", cv: float |
 
 
 def server_flags(row: dict, profile: Profile, client_cap: int | None = None):
-    """The row's vLLM flags (``twin.run.ServerFlags``); the client cap defaults to the real benchmark's."""
-    from .twin.run import REAL_CLIENT_CAP, ServerFlags
+    """The row's vLLM flags (``lorapack.server.ServerConfig``); the client cap defaults to the real benchmark's."""
+    from .server import ServerConfig
+    from .twin.run import REAL_CLIENT_CAP
 
-    return ServerFlags(
+    return ServerConfig(
         max_loras=int(float(row["max_loras"])), max_lora_rank=int(float(row["max_lora_rank"])),
         max_cpu_loras=int(row_float(row, "max_cpu_loras", float(row["n_adapters"]))),
         max_num_batched_tokens=int(row_float(row, "max_num_batched_tokens", profile.max_num_batched_tokens)),

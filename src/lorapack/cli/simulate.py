@@ -148,8 +148,8 @@ def simulate(
     json_out: JsonOpt = False,
 ) -> None:
     """Simulate one vLLM server serving WORKLOAD's adapters and report throughput, latency, starvation."""
+    from ..server import ServerConfig
     from ..twin.engine import warm_up
-    from ..twin.run import ServerFlags
     from ..twin.run import simulate as run_sim
     from ..workload import load_workload, with_mean_lengths
 
@@ -178,10 +178,10 @@ def simulate(
 
     runs = []
     for a in values:
-        flags = ServerFlags(max_loras=a, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                            max_num_batched_tokens=max_num_batched_tokens, client_cap=client_cap,
-                            warm_start=not cold_start)
+        flags = ServerConfig(max_loras=a, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+                             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens, client_cap=client_cap,
+                             warm_start=not cold_start)
         m, r = run_sim(prof, wl, flags, duration_s, seed, EarlyStopOptions() if early_stop else None,
                        limits(force))
         runs.append((m, r if not runs else None))  # (the timeline needs only the first engine result)

@@ -82,15 +82,16 @@ def simulate_capacity_tok_s(profile: Profile, slot_rank: int, mean_input_tokens:
     """``C(S)``: completed tokens/s of one saturated GPU (see the module docstring)."""
     from ..oracle import GpuCandidate, candidate_workload
     from ..profile import SchedulerModel
+    from ..server import ServerConfig
     from ..twin.early import capacity_bound_tok_s
-    from ..twin.run import ServerFlags, engine_config, resolve_server, simulate_requests
+    from ..twin.run import engine_config, resolve_server, simulate_requests
     from ..workload import generate_requests
 
     zero = SchedulerModel(ms_per_running=0.0, const_ms=0.0, ms_per_waiting=0.0, ms_per_waiting_slot_ratio=0.0,
                           baseline_ms=0.0)
     prof = profile.model_copy(update={"scheduler": zero})
     ranks = np.array([slot_rank])
-    flags = ServerFlags(max_loras=1, max_lora_rank=slot_rank, client_cap=CAPACITY_CLIENT_CAP)
+    flags = ServerConfig(max_loras=1, max_lora_rank=slot_rank, client_cap=CAPACITY_CLIENT_CAP)
     srv = resolve_server(prof, ranks, flags)
     if not srv.starts:
         raise LorapackError(f"{profile.model}: vLLM does not start with --max-loras 1 --max-lora-rank {slot_rank}")

@@ -231,13 +231,14 @@ def arrivals_generated() -> tuple[float, int]:
 def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts, limits: Limits | None = None
                     ) -> dict:
     """Run the twin on one config (which must start) and return its row."""
-    from ..twin.run import ServerFlags, simulate_requests
+    from ..server import ServerConfig
+    from ..twin.run import simulate_requests
 
     t0 = time.perf_counter()
     ranks = cfg.ranks()
     req = config_requests(cfg, limits)
-    flags = ServerFlags(max_loras=cfg.adapter_slots, max_lora_rank=cfg.max_lora_rank,
-                        max_cpu_loras=cfg.served_adapters)
+    flags = ServerConfig(max_loras=cfg.adapter_slots, max_lora_rank=cfg.max_lora_rank,
+                         max_cpu_loras=cfg.served_adapters)
     opts = _early_stop_options(shortcuts)
     m, _ = simulate_requests(profile, ranks, req, flags, cfg.duration_s, early_stop=opts, limits=limits)
     row = features(cfg, profile)
