@@ -57,16 +57,21 @@ def testbed_python() -> str:
 
 
 def _python_version(python: str) -> str:
+    return _interpreter(python)[0]
+
+
+def _interpreter(python: str) -> tuple[str, str]:
+    """``(version, real path)`` of a Python 3.11 given by path or command name (a pyenv shim resolves)."""
     exe = shutil.which(python)
     if exe is None:
         raise TestbedError(f"testbed Python {python!r} not found: install Python 3.11 or set {PYTHON_ENV_VAR}")
-    out = subprocess.run([exe, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"],
+    out = subprocess.run([exe, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3]); print(sys.executable)"],
                          capture_output=True, text=True, check=True)
-    version = out.stdout.strip()
+    version, real = out.stdout.split()[:2]
     if not version.startswith("3.11."):
         raise TestbedError(f"testbed Python {exe} is {version}: the pinned torch 2.13.0+cpu wheel is for "
                            f"Python 3.11 (set {PYTHON_ENV_VAR} to a python3.11)")
-    return version
+    return version, real
 
 
 def cache_key(python_version: str) -> str:
@@ -191,7 +196,7 @@ def install(say: Callable[[str], None] = print, force: bool = False) -> Testbed:
         root.mkdir()
         log = root / "install.log"
         t0 = time.monotonic()
-        python = shutil.which(testbed_python())
+        python = _interpreter(testbed_python())[1]
         say(f"installing the testbed (vLLM CPU {VLLM_VERSION}, Python {version} from {python}) into {root}")
         _run([python, "-m", "venv", str(root / "venv")], log, "creating the venv")
         pip = [str(root / "venv" / "bin" / "python"), "-m", "pip"]
