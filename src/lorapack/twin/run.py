@@ -171,19 +171,21 @@ def step_model(profile: Profile, srv: ResolvedServer | ServerConfig) -> StepMode
 
 
 def engine_config(profile: Profile, ranks: np.ndarray, srv: ResolvedServer, duration_s: float,
-                  client_cap: int = 0, warm_start: bool = True) -> EngineConfig:
+                  client_cap: int | None = None, warm_start: bool | None = None) -> EngineConfig:
+    """The engine's input for ``srv`` (``resolve_server``); ``client_cap`` / ``warm_start`` override the
+    server config's."""
     s = srv.max_lora_rank
     act = {int(r): profile.activation_ms(s, int(r)) for r in np.unique(ranks)}
     disk = {int(r): profile.disk_ms(int(r)) for r in np.unique(ranks)}
-    return EngineConfig(
-        load_ms=np.array([act[int(r)] for r in ranks]), disk_ms=np.array([disk[int(r)] for r in ranks]),
-        max_loras=srv.max_loras, max_cpu_loras=srv.max_cpu_loras,
-        kv_blocks=srv.kv_cache_tokens // profile.block_size, step_coef=step_model(profile, srv).to_array(),
-        duration_s=duration_s, max_num_seqs=srv.max_num_seqs,
-        max_num_batched_tokens=srv.max_num_batched_tokens, block_size=profile.block_size,
-        warm_gpu=warm_start, warm_cpu=True, client_cap=client_cap,
-        ttft_overhead_ms=profile.frontend.ttft_overhead_ms if profile.frontend is not None else 0.0,
-        admission=(srv.rules or VLLM_0_8_5).admission)
+    server = srv.config
+    if client_cap is not None or warm_start is not None:
+        server = server.replace(client_cap=server.client_cap if client_cap is None else client_cap,
+                                warm_start=server.warm_start if warm_start is None else warm_start)
+    return EngineConfig.from_server(
+        server, np.array([act[int(r)] for r in ranks]), np.array([disk[int(r)] for r in ranks]),
+        srv.kv_cache_tokens // profile.block_size, step_model(profile, srv).to_array(), profile.block_size,
+        duration_s, warm_cpu=True,
+        ttft_overhead_ms=profile.frontend.ttft_overhead_ms if profile.frontend is not None else 0.0)
 
 
 def oom_metrics(srv: ResolvedServer, n_generated: int) -> RunMetrics:
@@ -256,7 +258,7 @@ def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, f
     server = srv.config
     if not srv.starts:
         return oom_metrics(srv, len(req)).replace(server=server), None
-    cfg = engine_config(profile, ranks, srv, duration_s, flags.client_cap, flags.warm_start)
+    cfg = engine_config(profile, ranks, srv, duration_s)
     kept, clamped = admit_over_long(req, srv.max_model_len, srv.rules)
     if clamped is not None:
         req = _clamp_outputs(req, clamped, srv.max_model_len)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import SpecError
+from ..server import ServerConfig
 from .steptime import N_COEF
 
 INT32_MAX = 2**31 - 1
@@ -144,9 +145,9 @@ def check_adapters(adapter: np.ndarray, n_adapters: int) -> None:
 
 @dataclass
 class EngineConfig:
-    """One server as the engine sees it: flat arrays and numbers, built from a Profile and a resolved
-    ``lorapack.server.ServerConfig`` by ``twin.run.engine_config`` (the flags here are copied from it; the
-    engines and their tests build it directly)."""
+    """One server as the engine sees it: flat arrays and numbers. Built from a Profile and a resolved
+    ``lorapack.server.ServerConfig`` by ``twin.run.engine_config`` through ``EngineConfig.from_server`` (the
+    one place the flags are copied in); the engines' own tests build it directly from numbers."""
 
     load_ms: np.ndarray  # float64 [n_adapters]: CPU -> GPU activation cost of each adapter (slot rank S)
     disk_ms: np.ndarray  # float64 [n_adapters]: disk -> CPU load cost of each adapter
@@ -180,6 +181,25 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.check()
+
+    @classmethod
+    def from_server(cls, server: ServerConfig, load_ms: np.ndarray, disk_ms: np.ndarray, kv_blocks: int,
+                    step_coef: np.ndarray, block_size: int, duration_s: float, **engine_options) -> EngineConfig:
+        """The engine's input for a resolved ``server`` (``twin.run.resolve_server``: every flag set): the one
+        place the flags (``max_loras``, ``max_cpu_loras``, ``max_num_seqs``, ``max_num_batched_tokens``, the
+        client cap, the warm start, the rule set's admission) are copied into the flat engine input.
+        ``engine_options``: the engine-only fields (``warm_cpu``, ``ttft_overhead_ms``, ``timeline_dt_s``, ...)."""
+        missing = [k for k in ("max_lora_rank", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens")
+                   if getattr(server, k) is None]
+        if missing or server.rules is None:
+            raise SpecError(f"EngineConfig.from_server: the server is not resolved ({', '.join(missing) or 'rules'} "
+                            f"unset); resolve it with twin.run.resolve_server")
+        return cls(load_ms=load_ms, disk_ms=disk_ms, max_loras=int(server.max_loras),
+                   max_cpu_loras=int(server.max_cpu_loras), kv_blocks=int(kv_blocks), step_coef=step_coef,
+                   duration_s=duration_s, max_num_seqs=int(server.max_num_seqs),
+                   max_num_batched_tokens=int(server.max_num_batched_tokens), block_size=int(block_size),
+                   warm_gpu=bool(server.warm_start), client_cap=int(server.client_cap),
+                   admission=server.rules.admission, **engine_options)
 
     def check(self) -> None:
         """Validate every field (``SpecError``); the engines call it again before running."""
