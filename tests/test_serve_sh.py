@@ -275,3 +275,16 @@ def test_node_selection(tmp_path: Path) -> None:
         assert not list((tmp_path / "out").iterdir())  # nothing started
     finally:
         run.kill()
+
+
+@pytest.mark.parametrize("version, use_v1", [(None, True), ("0.8.5", True), ("0.32.0", False), ("0.33", False)])
+def test_vllm_use_v1_only_for_the_versions_that_have_v0(version: str | None, use_v1: bool) -> None:
+    """``VLLM_USE_V1=1`` keeps vLLM 0.8.x from falling back to V0; later versions have no V0 (the plan's
+    ``settings.vllm_version``, from ``place --vllm-version``, decides; no version = the profiles' 0.8.5)."""
+    plan = _plan()
+    if version is not None:
+        plan.settings["vllm_version"] = version
+    text = serve_script(plan, PATHS)
+    for words in _launch_lines(text):
+        assert ("VLLM_USE_V1=1" in words) == use_v1
+    assert f"(vLLM {version or '0.8.5'})" in text
