@@ -14,6 +14,7 @@ import pytest
 
 from lorapack.errors import LorapackError, ProfileError, SpecError
 from lorapack.profile import VLLM_LORA_RANKS, find_profile
+from lorapack.server import rules_for_version
 from lorapack.testbed.env import VLLM_VERSION
 from lorapack.testbed.replay import Arrival, twin_replay
 from lorapack.testbed.server import start_server
@@ -99,14 +100,15 @@ def test_adapter_above_max_lora_rank_stops_the_server_at_startup(testbed, tmp_pa
 
 
 def test_max_lora_rank_choices(testbed, tmp_path):
-    """``--max-lora-rank 24`` is an argparse error naming vLLM's choices. vLLM 0.32 also accepts 1, which 0.8.5
-    (and the twin's list) do not: a difference recorded in docs/testbed.md."""
+    """``--max-lora-rank 24`` is an argparse error naming vLLM's choices: those of the twin's 0.32 rule set (which
+    adds 1 to 0.8.5's list; docs/testbed.md)."""
     with pytest.raises(LorapackError) as err:
         start_server(testbed, ["r8-0"], ["--max-lora-rank", "24", "--max-model-len", "256"], tmp_path, timeout_s=120)
     text = str(err.value)
     assert "invalid choice: 24" in text
     choices = [int(x) for x in text.split("(choose from ", 1)[1].split(")", 1)[0].split(",")]
-    assert choices == [1, *VLLM_LORA_RANKS]
+    assert choices == list(rules_for_version(VLLM_VERSION).lora_ranks)
+    assert choices == [1, *VLLM_LORA_RANKS]  # 0.8.5's list, plus 1
 
 
 def _cache_config(server) -> dict[str, str]:
