@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lorapack.testbed import env as testbed_env
-from lorapack.testbed.guard import descendants
+from lorapack.testbed.guard import alive, descendants
 from lorapack.testbed.server import guarded, lora_module_arg, stop_tree
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the testbed is Linux only (prctl)")
@@ -35,13 +35,6 @@ TREE = textwrap.dedent("""
     time.sleep(600)
 """)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
-    except FileNotFoundError:
-        return False
 
 
 def _wait_for(cond, timeout_s: float = 30.0) -> bool:
@@ -70,11 +63,11 @@ def test_stop_tree_ends_every_process_also_those_that_ignore_sigterm(tmp_path: P
     proc = guarded([sys.executable, str(tree_script), str(pid_file), "0"])
     try:
         pids = _pids(pid_file, 3)
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
         assert set(pids) <= set(descendants(proc.pid))
     finally:
         stop_tree(proc)
-    assert _wait_for(lambda: not any(_alive(p) for p in pids), 20), [p for p in pids if _alive(p)]
+    assert _wait_for(lambda: not any(alive(p) for p in pids), 20), [p for p in pids if alive(p)]
 
 
 def test_kill_9_of_the_starter_takes_the_whole_tree_down(tmp_path: Path, tree_script: Path):
@@ -90,11 +83,11 @@ def test_kill_9_of_the_starter_takes_the_whole_tree_down(tmp_path: Path, tree_sc
     starter = subprocess.Popen([sys.executable, "-c", starter_code], start_new_session=True)
     try:
         pids = _pids(pid_file, 3)
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
         os.kill(starter.pid, signal.SIGKILL)
         starter.wait(timeout=10)
         # the guard's grace is 5 s of SIGTERM (ignored here), then SIGKILL
-        assert _wait_for(lambda: not any(_alive(p) for p in pids), 30), [p for p in pids if _alive(p)]
+        assert _wait_for(lambda: not any(alive(p) for p in pids), 30), [p for p in pids if alive(p)]
     finally:
         for p in [starter.pid] + ([int(x) for x in pid_file.read_text().split()] if pid_file.is_file() else []):
             try:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from lorapack.testbed.guard import descendants
+from lorapack.testbed.guard import alive, descendants
 from lorapack.testbed.server import free_port, guarded, server_env, stop_tree
 
 pytestmark = pytest.mark.real
@@ -190,9 +190,9 @@ def test_ids_with_equals_and_dashes_and_serve_sh_fails_when_a_server_dies(testbe
         assert servers
         os.kill(servers[0], signal.SIGKILL)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and _alive(script_pid):
+        while time.monotonic() < deadline and alive(script_pid):
             time.sleep(0.5)
-        assert not _alive(script_pid), "serve.sh kept running after one of its servers died"
+        assert not alive(script_pid), "serve.sh kept running after one of its servers died"
         status = (work / "serve.sh.log").read_text()
         assert "exited with status" in status and "stopping the others" in status
     finally:
@@ -205,10 +205,3 @@ def _cmdline(pid: int) -> str:
     except OSError:
         return ""
 
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"

@@ -8,18 +8,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
+from lorapack.testbed.guard import alive
+
 pytestmark = pytest.mark.real
 
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_kill_9_of_the_starter_stops_the_whole_vllm_tree(testbed, tmp_path):
@@ -46,9 +41,9 @@ def test_kill_9_of_the_starter_stops_the_whole_vllm_tree(testbed, tmp_path):
         os.kill(starter.pid, signal.SIGKILL)
         starter.wait(timeout=10)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.2)
-        assert not [p for p in pids if _alive(p)]
+        assert not [p for p in pids if alive(p)]
     finally:
         if starter.poll() is None:
             os.kill(starter.pid, signal.SIGKILL)

@@ -37,6 +37,15 @@ def _prctl(option: int, arg: int) -> None:
         raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, counts as dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].split()[0] != "Z"
+
+
 def descendants(root_pid: int) -> list[int]:
     """Every live process whose parent chain leads to ``root_pid`` (read from /proc; the root excluded)."""
     parent: dict[int, int] = {}
