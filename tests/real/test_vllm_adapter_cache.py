@@ -15,10 +15,10 @@ import time
 import pytest
 
 from lorapack.profile import find_profile
+from lorapack.server import ServerConfig
 from lorapack.testbed.env import VLLM_VERSION
 from lorapack.testbed.replay import Arrival, twin_replay
 from lorapack.testbed.staircase import ADAPTERS, RANKS
-from lorapack.twin.run import ServerFlags
 
 pytestmark = pytest.mark.real
 
@@ -148,7 +148,7 @@ def test_the_twin_loads_adapters_as_the_server_does():
     """The twin, given the same one-at-a-time requests and flags, makes the same disk loads and GPU loads per
     request as the LRU rule the server follows (``lru_model``, pinned against the server above)."""
     llama = find_profile("llama-3.1-8b-instruct")
-    flags = ServerFlags(max_loras=SLOTS, max_cpu_loras=CPU_SLOTS, max_lora_rank=32, max_model_len=256,
+    flags = ServerConfig(max_loras=SLOTS, max_cpu_loras=CPU_SLOTS, max_lora_rank=32, max_model_len=256,
                         vllm_version=VLLM_VERSION)
     ids = [ADAPTERS.index(a) + 1 for a in SEQUENCE]
     expected = lru_model(ids, len(ADAPTERS))

@@ -14,11 +14,10 @@ import pytest
 
 from lorapack.errors import LorapackError, ProfileError, SpecError
 from lorapack.profile import VLLM_LORA_RANKS, find_profile
-from lorapack.server import rules_for_version
+from lorapack.server import ServerConfig, rules_for_version
 from lorapack.testbed.env import VLLM_VERSION
 from lorapack.testbed.replay import Arrival, twin_replay
 from lorapack.testbed.server import start_server
-from lorapack.twin.run import ServerFlags
 
 pytestmark = pytest.mark.real
 
@@ -58,7 +57,7 @@ def _twin_lengths(version: str) -> tuple[set, dict]:
     """The twin under ``version``'s rules on LENGTH_CASES: (refused cases, {served case: tokens it serves})."""
     llama = find_profile("llama-3.1-8b-instruct")
     arrivals = [Arrival(0.5 * i, "a", p, o) for i, (p, o) in enumerate(LENGTH_CASES)]
-    flags = ServerFlags(max_loras=1, max_model_len=MML, vllm_version=version)
+    flags = ServerConfig(max_loras=1, max_model_len=MML, vllm_version=version)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _, engine = twin_replay(llama, ["a"], [8], arrivals, flags, 120.0)
@@ -96,7 +95,7 @@ def test_adapter_above_max_lora_rank_stops_the_server_at_startup(testbed, tmp_pa
     assert "LoRA rank 64 is greater than max_lora_rank 32" in str(err.value)
     with pytest.raises((SpecError, ProfileError)):
         twin_replay(find_profile("llama-3.1-8b-instruct"), ["r8-0", "r64-0"], [8, 64],
-                    [Arrival(0.0, "r8-0", 8, 8)], ServerFlags(max_loras=2, max_lora_rank=32), 10.0)
+                    [Arrival(0.0, "r8-0", 8, 8)], ServerConfig(max_loras=2, max_lora_rank=32), 10.0)
 
 
 def test_max_lora_rank_choices(testbed, tmp_path):

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from lorapack.profile import find_profile
+from lorapack.server import ServerConfig
 from lorapack.testbed.env import VLLM_VERSION
 from lorapack.testbed.replay import Arrival, order_agreement, replay, twin_replay
 from lorapack.testbed.staircase import ADAPTERS, DESIGNS, RANKS, run_staircase, server_flags, vllm_args
-from lorapack.twin.run import ServerFlags
 
 pytestmark = pytest.mark.real
 
@@ -30,7 +30,7 @@ def llama():
 def compare(llama, arrivals, flags: dict, result, duration_s: float = 120.0):
     """Order agreement of first tokens, server against the twin given the times the client actually sent."""
     sent = np.array([r.t_sent_s for r in result.records])
-    _, engine = twin_replay(llama, ADAPTERS, RANKS, arrivals, ServerFlags(**flags, vllm_version=VLLM_VERSION), duration_s, sent_s=sent)
+    _, engine = twin_replay(llama, ADAPTERS, RANKS, arrivals, ServerConfig(**flags, vllm_version=VLLM_VERSION), duration_s, sent_s=sent)
     real_first = np.array([r.t_first_server_s for r in result.records])
     share, pairs = order_agreement(sent, [a.adapter_id for a in arrivals], real_first, engine.t_first_s)
     return share, pairs, engine
@@ -105,7 +105,7 @@ def test_chunked_prefill_of_a_prompt_longer_than_the_budget(servers, llama):
     delta = {le: after[le] - before.get(le, 0.0) for le in after}
     assert delta[1.0] == delta[256.0] == 4  # four one-token decode steps, nothing else up to 256 tokens
     assert delta[512.0] == delta[float("inf")] == 5  # and the 400-token prompt, counted whole at its first token
-    _, engine = twin_replay(llama, ADAPTERS, RANKS, result_arrivals(result), ServerFlags(**flags, vllm_version=VLLM_VERSION), 60.0)
+    _, engine = twin_replay(llama, ADAPTERS, RANKS, result_arrivals(result), ServerConfig(**flags, vllm_version=VLLM_VERSION), 60.0)
     assert engine.n_steps == 7 + 4
 
 
@@ -124,7 +124,7 @@ def test_token_budget_goes_to_running_requests_first(servers, llama):
     assert all(r.status == 200 for r in result.records)
     real_first = np.array([r.t_first_server_s for r in result.records])
     sent = np.array([r.t_sent_s for r in result.records])
-    _, engine = twin_replay(llama, ADAPTERS, RANKS, arrivals, ServerFlags(**flags, vllm_version=VLLM_VERSION), 60.0, sent_s=sent)
+    _, engine = twin_replay(llama, ADAPTERS, RANKS, arrivals, ServerConfig(**flags, vllm_version=VLLM_VERSION), 60.0, sent_s=sent)
     tolerance_s = 0.01  # the server-side first-token time carries the API server's few-ms hand-off
     assert np.all(real_first[1:] >= real_first[0] - tolerance_s), (real_first, sent)
     assert np.all(engine.t_first_s[1:] >= engine.t_first_s[0])

@@ -93,7 +93,7 @@ def run_staircase(url: str, profile, name: str, max_loras: int, attempts: int = 
     """Send design ``name`` to the server at ``url`` (started with ``vllm_args(server_flags(max_loras))`` and the
     six adapters registered in ``ADAPTERS`` order) and compare with the twin; a replay whose client fell more
     than ``MAX_SEND_LAG_S`` behind is run again, up to ``attempts`` times (the last one counts regardless)."""
-    from lorapack.twin.run import ServerFlags
+    from lorapack.server import ServerConfig
 
     arrivals = design(name)
     planned = np.array([a.t_s for a in arrivals])
@@ -106,7 +106,7 @@ def run_staircase(url: str, profile, name: str, max_loras: int, attempts: int = 
     bad = [(r.index, r.status, r.error) for r in result.records if r.status != 200]
     if bad:
         raise AssertionError(f"requests failed: {bad[:3]}")
-    flags = ServerFlags(**server_flags(max_loras), vllm_version=VLLM_VERSION)  # the testbed's rules
+    flags = ServerConfig(**server_flags(max_loras), vllm_version=VLLM_VERSION)  # the testbed's rules
     _, engine = twin_replay(profile, ADAPTERS, RANKS, arrivals, flags, 120.0, sent_s=sent)
     real_first = np.array([r.t_first_server_s for r in result.records])
     share, pairs = order_agreement(sent, [a.adapter_id for a in arrivals], real_first, engine.t_first_s,
