@@ -141,7 +141,10 @@ def check_plan_served(plan_dir: Path, testbed, tmp: Path) -> dict:
 
 
 @pytest.fixture
-def work(tmp_path: Path) -> Path:
+def work(tmp_path: Path, servers) -> Path:
+    """A scratch folder; the shared test servers are stopped first: serve.sh starts one server per GPU of its
+    plan (three for the demo), the most this tier ever runs at once (otherwise at most two)."""
+    servers.stop_all()
     return tmp_path
 
 
