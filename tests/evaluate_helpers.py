@@ -11,6 +11,7 @@ from lorapack.evaluate.methods import Bounds, PlaceRequest
 from lorapack.evaluate.replay import LatencyObjective
 from lorapack.oracle import default_slot_rank
 from lorapack.placement.plan import GpuPlan, Plan
+from lorapack.server import ServerConfig
 
 TOY_CAPACITY_TOK_S = 9000.0  # what the toy methods assume one GPU serves
 
@@ -68,9 +69,11 @@ class ToyPlacer:
 
     def _gpu(self, workload, ids: list[str], profile) -> GpuPlan:
         ranks = [a.rank for a in workload.adapters if a.adapter_id in set(ids)]
-        return GpuPlan(adapters=ids, weights=[1.0] * len(ids), max_loras=min(self.slots, len(ids)),
-                       max_lora_rank=default_slot_rank(max(ranks)), max_cpu_loras=len(ids),
-                       max_num_seqs=profile.max_num_seqs, max_num_batched_tokens=profile.max_num_batched_tokens)
+        return GpuPlan(adapters=ids, weights=[1.0] * len(ids),
+                       server=ServerConfig(max_loras=min(self.slots, len(ids)),
+                                           max_lora_rank=default_slot_rank(max(ranks)), max_cpu_loras=len(ids),
+                                           max_num_seqs=profile.max_num_seqs,
+                                           max_num_batched_tokens=profile.max_num_batched_tokens))
 
     def place(self, workload, profile, req: PlaceRequest) -> Plan:
         self.calls.append((req.method, req.gpus))

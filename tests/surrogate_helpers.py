@@ -10,6 +10,7 @@ import numpy as np
 
 from lorapack.oracle import GpuCandidate, feature_row
 from lorapack.profile import find_profile
+from lorapack.server import ServerConfig
 from lorapack.sweep.store import META_FILE, PartWriter
 
 LLAMA = find_profile("llama-3.1-8b-instruct")
@@ -26,7 +27,7 @@ def synthetic_rows(n_series: int = 60, seed: int = 0, fingerprint: str = "f" * 1
             if a > n:
                 continue
             cand = GpuCandidate(profile=profile, ranks=np.full(n, ranks), rates_rps=np.full(n, rate) *
-                                rng.uniform(0.5, 1.5, n), max_loras=a)
+                                rng.uniform(0.5, 1.5, n), server=ServerConfig(max_loras=a))
             row = {**feature_row(cand), "config_id": f"c{s}-{n}", "series_id": f"s{s}", "seed": 0,
                    "model": profile.model, "gpu": profile.gpu, "lengths_kind": "lognormal", "duration_s": 3600.0}
             inc = row["incoming_expected_tok_s"]

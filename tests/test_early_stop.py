@@ -8,6 +8,7 @@ import pytest
 from engine_cases import build_case, random_params
 from lorapack.oracle import GpuCandidate, candidate_workload
 from lorapack.profile import find_profile
+from lorapack.server import ServerConfig
 from lorapack.twin.early import (
     STOP_HEALTHY,
     EarlyStopOptions,
@@ -78,7 +79,8 @@ def test_advance_to_the_past_changes_nothing() -> None:
 
 def _starved_with_preemption():
     """A small-KV server under overload: preemption victims and older arrivals wait together."""
-    cand = GpuCandidate(profile=LLAMA, ranks=np.full(16, 8), rates_rps=np.full(16, 1.5), max_loras=16)
+    cand = GpuCandidate(profile=LLAMA, ranks=np.full(16, 8), rates_rps=np.full(16, 1.5),
+                        server=ServerConfig(max_loras=16))
     req = generate_requests(candidate_workload(cand, 600.0), 600.0, 3)
     srv = resolve_server(LLAMA, cand.ranks, ServerFlags(max_loras=16))
     cfg = engine_config(LLAMA, cand.ranks, srv, 600.0)
@@ -212,7 +214,8 @@ def _run(cand: GpuCandidate, seed: int, early: bool, duration_s: float = 3600.0)
                                               (128, 32, 0.00625, 3)])
 def test_early_labels_equal_the_full_runs(n: int, a: int, rate: float, seed: int) -> None:
     rates = np.full(n, rate) * np.where(np.arange(n) % 3 == 0, 4.0, 1.0)
-    cand = GpuCandidate(profile=LLAMA, ranks=np.where(np.arange(n) % 2 == 0, 8, 16), rates_rps=rates, max_loras=a)
+    cand = GpuCandidate(profile=LLAMA, ranks=np.where(np.arange(n) % 2 == 0, 8, 16), rates_rps=rates,
+                        server=ServerConfig(max_loras=a))
     early, full = _run(cand, seed, True), _run(cand, seed, False)
     assert early.starved == full.starved
     assert early.adapter_starved == full.adapter_starved

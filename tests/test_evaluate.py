@@ -18,6 +18,7 @@ from lorapack.evaluate.runner import evaluate_scenarios, smallest_clean_pool
 from lorapack.evaluate.scenario import load_scenarios
 from lorapack.placement.plan import GpuPlan, Plan
 from lorapack.profile import find_profile
+from lorapack.server import ServerConfig
 from lorapack.workload.derive import DeriveOptions, derive_workload, parse_weights
 from lorapack.workload.trace import load_trace
 
@@ -174,8 +175,10 @@ def _plan(d, profile, groups, weights=None, max_loras=8, rank=16):
     gpus = []
     for gi, ids in enumerate(groups):
         w = weights[gi] if weights else [1.0] * len(ids)
-        gpus.append(GpuPlan(adapters=ids, weights=w, max_loras=min(max_loras, len(ids)), max_lora_rank=rank,
-                            max_cpu_loras=max(len(ids), max_loras), max_num_seqs=2048, max_num_batched_tokens=2048))
+        gpus.append(GpuPlan(adapters=ids, weights=w,
+                            server=ServerConfig(max_loras=min(max_loras, len(ids)), max_lora_rank=rank,
+                                                max_cpu_loras=max(len(ids), max_loras), max_num_seqs=2048,
+                                                max_num_batched_tokens=2048)))
     return Plan(method="hand", model=profile.model, gpu_type=profile.gpu, gpus=gpus)
 
 
@@ -206,8 +209,8 @@ def test_replay_flags_oom_and_missing_adapters(trace, profile):
     ids = d.adapter_ids
     ok = _plan(d, profile, [ids[:3], ids[3:]], rank=32)
     bad = _plan(d, profile, [ids[:3], ids[3:]], rank=32)
-    bad.gpus[1].max_loras = 2000  # far beyond the rank-32 slot limit: vLLM refuses to start
-    bad.gpus[1].max_cpu_loras = 2000
+    # far beyond the rank-32 slot limit: vLLM refuses to start
+    bad.gpus[1].server = bad.gpus[1].server.replace(max_loras=2000, max_cpu_loras=2000)
     r = Replayer(profile, d)
     rep_ok, rep_bad = r.replay(ok), r.replay(bad)
     assert rep_ok.oom_gpus == 0 and rep_bad.oom_gpus == 1 and not rep_bad.clean

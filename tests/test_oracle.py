@@ -19,18 +19,19 @@ from lorapack.oracle import (
     features,
 )
 from lorapack.profile import find_profile
+from lorapack.server import ServerConfig
 
 LLAMA = find_profile("llama-3.1-8b-instruct")
 
 
 def cand(n: int = 16, a: int = 8, rate: float = 0.05, ranks=(8, 16), **kw) -> GpuCandidate:
     r = np.array([ranks[i % len(ranks)] for i in range(n)])
-    return GpuCandidate(profile=LLAMA, ranks=r, rates_rps=np.full(n, rate), max_loras=a, **kw)
+    return GpuCandidate(profile=LLAMA, ranks=r, rates_rps=np.full(n, rate), server=ServerConfig(max_loras=a), **kw)
 
 
 def test_features_match_the_paper_definitions() -> None:
     c = GpuCandidate(profile=LLAMA, ranks=np.array([8, 16, 32, 8]), rates_rps=np.array([0.1, 0.2, 0.3, 0.4]),
-                     max_loras=4, mean_input_tokens=200, mean_output_tokens=100)
+                     server=ServerConfig(max_loras=4), mean_input_tokens=200, mean_output_tokens=100)
     f = feature_row(c)
     assert list(f) == list(FEATURE_NAMES)
     assert f["served_adapters"] == 4 and f["adapter_slots"] == 4 and f["max_size"] == 32
@@ -62,8 +63,9 @@ def test_slot_rank_is_the_smallest_value_vllm_accepts() -> None:
 ])
 def test_bad_candidates_are_refused(kw, match) -> None:
     kw = {"max_loras": 1, **kw}
+    flags = {k: kw.pop(k) for k in ("max_loras", "max_lora_rank") if k in kw}
     with pytest.raises(SpecError, match=match):
-        GpuCandidate(profile=LLAMA, **kw)
+        GpuCandidate(profile=LLAMA, server=ServerConfig(**flags), **kw)
 
 
 def test_memory_rule_applies_first() -> None:

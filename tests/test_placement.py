@@ -19,6 +19,7 @@ from lorapack.oracle import default_slot_rank
 from lorapack.placement import METHODS, Objective, lower_bound, place, zigzag_order
 from lorapack.placement.baselines import dlora, hamilton, least_adapters, loraserve
 from lorapack.placement.greedy import GreedyOptions, Infeasible, greedy_fill
+from lorapack.server import ServerConfig
 from placement_helpers import LLAMA, TAU, ToyOracle, instance, toy_capacity, toy_kwargs
 
 THR = Objective.throughput()
@@ -249,8 +250,8 @@ def test_the_latency_capacity_is_where_one_adapter_stops_meeting_the_objective()
     assert 0.5 * top < lat < top  # a 1 s mean TTFT binds before saturation
 
     def check(tok_s: float) -> str | None:
-        c = GpuCandidate(profile=LLAMA, ranks=np.array([8]), rates_rps=np.array([tok_s / 420]), max_loras=1,
-                         max_lora_rank=8, mean_input_tokens=223, mean_output_tokens=197)
+        c = GpuCandidate(profile=LLAMA, ranks=np.array([8]), rates_rps=np.array([tok_s / 420]),
+                         server=ServerConfig(max_loras=1, max_lora_rank=8), mean_input_tokens=223, mean_output_tokens=197)
         return obj.check(TwinOracle(seeds=(5,), duration_s=900.0, early_stop=False).predict([c])[0])
 
     assert check(0.9 * lat) is None and check(lat) is not None  # L is the smallest load seen failing
@@ -481,7 +482,8 @@ def test_capacity_is_an_upper_bound_on_a_saturated_multi_adapter_gpu() -> None:
     assert c16 <= c8
     twin = TwinOracle(seeds=(0,), duration_s=1800, early_stop=False)
     for n, a in ((8, 8), (64, 32), (128, 128)):
-        cand = GpuCandidate(profile=LLAMA, ranks=np.full(n, 8), rates_rps=np.full(n, 80.0 / n), max_loras=a)
+        cand = GpuCandidate(profile=LLAMA, ranks=np.full(n, 8), rates_rps=np.full(n, 80.0 / n),
+                             server=ServerConfig(max_loras=a))
         assert twin.predict([cand])[0].throughput_tok_s <= c8
 
 
@@ -688,7 +690,7 @@ def test_twin_runs_on_the_kept_executor_answer_as_in_process(monkeypatch: pytest
     from lorapack.placement import oracles
 
     cands = [GpuCandidate(profile=LLAMA, ranks=np.array([8, 16] * (n // 2)), rates_rps=np.full(n, rate),
-                          max_loras=a) for n, a, rate in ((8, 4, 0.2), (16, 8, 0.1), (24, 8, 0.3), (32, 16, 0.05))]
+                          server=ServerConfig(max_loras=a)) for n, a, rate in ((8, 4, 0.2), (16, 8, 0.1), (24, 8, 0.3), (32, 16, 0.05))]
 
     def runs(workers: int) -> str:
         preds = oracles.ParallelTwinOracle(seeds=(0, 1), duration_s=300.0, workers=workers).predict(cands)

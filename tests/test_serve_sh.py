@@ -28,6 +28,7 @@ from lorapack.placement.export import (
     serve_script,
 )
 from lorapack.placement.plan import GpuPlan, Plan
+from lorapack.server import ServerConfig
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="serve.sh needs bash")
 
@@ -41,8 +42,9 @@ LORA_DIR = "/tmp/lora dir/with \"quote\" and 'single' and \\"
 
 def _gpu(adapters: list[str], rank: int = 16) -> GpuPlan:
     n = len(adapters)
-    return GpuPlan(adapters=adapters, weights=[1.0] * n, max_loras=n, max_lora_rank=rank, max_cpu_loras=n,
-                   max_num_seqs=2048, max_num_batched_tokens=2048, max_model_len=131072, incoming_tok_s=100.0,
+    return GpuPlan(adapters=adapters, weights=[1.0] * n,
+                   server=ServerConfig(max_loras=n, max_lora_rank=rank, max_cpu_loras=n, max_num_seqs=2048,
+                                       max_num_batched_tokens=2048, max_model_len=131072), incoming_tok_s=100.0,
                    binding="throughput")
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from lorapack.errors import DataError, LorapackError, SpecError
 from lorapack.oracle import FEATURE_NAMES, GpuCandidate, Oracle, features
+from lorapack.server import ServerConfig
 from lorapack.surrogate import (
     KINDS,
     SHIPPED_DIR,
@@ -112,7 +113,8 @@ def test_model_file_round_trip(trained: Path, tmp_path: Path) -> None:
         mf = load_model(model_path(trained, LLAMA.gpu, LLAMA.model, kind))
         again = load_model(save_model(mf, tmp_path / f"{kind}.npz"))
         assert again.header() == mf.header()
-        X = features([GpuCandidate(profile=LLAMA, ranks=np.full(n, 16), rates_rps=np.full(n, 0.05), max_loras=8)
+        X = features([GpuCandidate(profile=LLAMA, ranks=np.full(n, 16), rates_rps=np.full(n, 0.05),
+                                    server=ServerConfig(max_loras=8))
                       for n in (8, 32, 96)])
         for t in mf.targets:
             assert np.array_equal(again.targets[t].predict(X), mf.targets[t].predict(X))
@@ -185,10 +187,12 @@ def test_learned_oracle_answers_and_flags_out_of_range(trained: Path) -> None:
     for kind in KINDS:
         o = load_oracle(LLAMA, kind, trained)
         assert isinstance(o, Oracle) and o.name == kind
-        inside = GpuCandidate(profile=LLAMA, ranks=np.full(32, 16), max_loras=16,
+        inside = GpuCandidate(profile=LLAMA, ranks=np.full(32, 16), server=ServerConfig(max_loras=16),
                               rates_rps=0.05 * (1 + 0.3 * np.sin(np.arange(32))))
-        huge = GpuCandidate(profile=LLAMA, ranks=np.full(300, 8), rates_rps=np.full(300, 0.05), max_loras=16)
-        refused = GpuCandidate(profile=LLAMA, ranks=np.full(300, 32), rates_rps=np.full(300, 0.05), max_loras=300)
+        huge = GpuCandidate(profile=LLAMA, ranks=np.full(300, 8), rates_rps=np.full(300, 0.05),
+                            server=ServerConfig(max_loras=16))
+        refused = GpuCandidate(profile=LLAMA, ranks=np.full(300, 32), rates_rps=np.full(300, 0.05),
+                               server=ServerConfig(max_loras=300))
         p_in, p_out, p_oom = o.predict([inside, huge, refused])
         assert p_in.fits and p_in.in_range and p_in.out_of_range == ""
         assert p_in.throughput_tok_s > 0 and 0 <= p_in.starved <= 1 and p_in.itl_ms > 0 and p_in.ttft_s > 0

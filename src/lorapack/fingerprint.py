@@ -21,6 +21,7 @@ from functools import lru_cache
 import numpy as np
 
 from .profile import NEUTRAL_FIELDS, Profile
+from .server import ServerConfig
 
 FINGERPRINT_SCHEME = "probe/v1"
 # step-time constants that entered the model after profiles were shipped, at the value that switches them off
@@ -64,7 +65,7 @@ def probe_outputs(profile: Profile) -> list[dict]:
     out = []
     for k, (n, a, rate, ranks, dur, early) in enumerate(PROBES):
         cand = GpuCandidate(profile=profile, ranks=np.array([ranks[i % len(ranks)] for i in range(n)]),
-                            rates_rps=np.full(n, rate), max_loras=a)
+                            rates_rps=np.full(n, rate), server=ServerConfig(max_loras=a))
         req = generate_requests(candidate_workload(cand, dur), dur, 1000 + k)
         m, _ = simulate_requests(profile, cand.ranks, req, cand.server_config(), dur,
                                  early_stop=EarlyStopOptions() if early else None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -66,22 +67,26 @@ def default_slot_rank(max_rank: int, choices: tuple[int, ...] = VLLM_LORA_RANKS)
                     f"({choices[-1]})")
 
 
+@lru_cache(maxsize=4096)
+def _slots_only(max_loras: int) -> ServerConfig:
+    """``ServerConfig(max_loras=max_loras)``, shared: placement's candidates vary only ``max_loras``."""
+    return ServerConfig(max_loras=max_loras)
+
+
 @dataclass(frozen=True, eq=False)
 class GpuCandidate:
-    """One GPU as a placement would configure it: its adapters (registration order) and its vLLM flags.
+    """One GPU as a placement would configure it: its adapters (registration order) and its server
+    (``server``: the one ``ServerConfig``, issue 22).
 
-    ``None`` flags take vLLM's / the profile's defaults: ``max_lora_rank`` = the smallest accepted value that
-    holds the largest rank, ``max_cpu_loras`` = max(N, A), batch limits and lengths from the profile.
+    ``None`` flags of ``server`` take vLLM's / the profile's defaults: ``max_lora_rank`` = the smallest accepted
+    value that holds the largest rank, ``max_cpu_loras`` = max(N, A), batch limits and lengths from the profile.
+    ``cand.max_loras`` etc. read ``server``'s flags.
     """
 
     profile: Profile
     ranks: np.ndarray  # int [N]: adapter ranks
     rates_rps: np.ndarray  # float [N]: Poisson request rates
-    max_loras: int  # A
-    max_lora_rank: int | None = None  # S
-    max_cpu_loras: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
+    server: ServerConfig  # the flags: A = server.max_loras, S = server.max_lora_rank, ...
     mean_input_tokens: float | None = None
     mean_output_tokens: float | None = None
 
@@ -101,26 +106,28 @@ class GpuCandidate:
             raise SpecError(f"adapter rank {int(ranks.min())}: expected an integer >= 1")
         if not np.all(np.isfinite(rates)) or rates.min() < 0:
             raise SpecError("adapter rates must be finite numbers >= 0 req/s")
-        if int(self.max_loras) < 1:
-            raise SpecError(f"--max-loras {self.max_loras}: expected an integer >= 1")
+        server = self.server
+        if not isinstance(server, ServerConfig):
+            raise SpecError(f"a GPU candidate's server: expected a ServerConfig, got {type(server).__name__}")
+        if int(server.max_loras) < 1:
+            raise SpecError(f"--max-loras {server.max_loras}: expected an integer >= 1")
         for name in ("mean_input_tokens", "mean_output_tokens"):
             v = getattr(self, name)
             if v is not None and (not math.isfinite(v) or v < 1):
                 raise SpecError(f"{name} {v}: expected a finite number of tokens >= 1")
-        s = self.max_lora_rank
+        s = server.max_lora_rank
         if s is not None and int(s) < int(ranks.max()):
             raise SpecError(f"--max-lora-rank {s} is below the largest adapter rank {int(ranks.max())}")
         object.__setattr__(self, "ranks", ranks)
         object.__setattr__(self, "rates_rps", rates)
-        object.__setattr__(self, "max_loras", int(self.max_loras))
+        if type(server.max_loras) is not int:
+            object.__setattr__(self, "server", server.replace(max_loras=int(server.max_loras)))
 
     @classmethod
     def for_server(cls, profile: Profile, ranks: np.ndarray, rates_rps: np.ndarray, server: ServerConfig,
                    mean_input_tokens: float | None = None, mean_output_tokens: float | None = None) -> GpuCandidate:
         """The candidate of a server configured by ``server`` (its flags; the version comes from ``profile``)."""
-        return cls(profile=profile, ranks=ranks, rates_rps=rates_rps, max_loras=server.max_loras,
-                   max_lora_rank=server.max_lora_rank, max_cpu_loras=server.max_cpu_loras,
-                   max_num_seqs=server.max_num_seqs, max_num_batched_tokens=server.max_num_batched_tokens,
+        return cls(profile=profile, ranks=ranks, rates_rps=rates_rps, server=server,
                    mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens)
 
     @classmethod
@@ -129,14 +136,35 @@ class GpuCandidate:
                      ) -> GpuCandidate:
         """A candidate built without the checks of ``__init__``, for callers whose arrays are already
         validated (int64 ranks >= 1, finite float64 rates >= 0, non-empty; placement's ``Instance``): the
-        greedy builds thousands of candidates per placement, and the checks would dominate its time."""
+        greedy builds thousands of candidates per placement, and the checks would dominate its time. Its
+        server is ``ServerConfig(max_loras=max_loras)`` (one shared, cached instance per value)."""
         self = object.__new__(cls)
         for name, v in (("profile", profile), ("ranks", ranks), ("rates_rps", rates_rps),
-                        ("max_loras", int(max_loras)), ("max_lora_rank", None), ("max_cpu_loras", None),
-                        ("max_num_seqs", None), ("max_num_batched_tokens", None),
+                        ("server", _slots_only(int(max_loras))),
                         ("mean_input_tokens", mean_input_tokens), ("mean_output_tokens", mean_output_tokens)):
             object.__setattr__(self, name, v)
         return self
+
+    # ---- the server's flags (read-only: the candidate's flags are ``server``'s) ----
+    @property
+    def max_loras(self) -> int:
+        return self.server.max_loras
+
+    @property
+    def max_lora_rank(self) -> int | None:
+        return self.server.max_lora_rank
+
+    @property
+    def max_cpu_loras(self) -> int | None:
+        return self.server.max_cpu_loras
+
+    @property
+    def max_num_seqs(self) -> int | None:
+        return self.server.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int | None:
+        return self.server.max_num_batched_tokens
 
     # ---- resolved flags ----
     @property
@@ -173,11 +201,9 @@ class GpuCandidate:
                                     kv_start=rules_for_version(self.profile.vllm_version).kv_start)
 
     def server_config(self) -> ServerConfig:
-        """This GPU's flags as the one server type (``lorapack.server.ServerConfig``) the twin takes. The
-        candidate's flag fields are its query (placement varies ``max_loras`` over thousands of candidates);
-        this is the only place they become a server."""
-        return ServerConfig(max_loras=self.max_loras, max_lora_rank=self.slot_rank, max_cpu_loras=self.cpu_loras,
-                            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs)
+        """``server`` with ``--max-lora-rank`` and ``--max-cpu-loras`` resolved (``slot_rank``, ``cpu_loras``):
+        the server the twin runs."""
+        return self.server.replace(max_lora_rank=self.slot_rank, max_cpu_loras=self.cpu_loras)
 
 
 def feature_row(cand: GpuCandidate) -> dict[str, float]:

@@ -15,6 +15,7 @@ from typing import Any
 from ..oracle import default_slot_rank
 from ..placement.plan import GpuPlan, Plan
 from ..profile import Profile
+from ..server import ServerConfig
 from .replay import Replayer
 
 TESTING_POINTS = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
@@ -41,9 +42,10 @@ def max_pack_curve(replayer: Replayer, profile: Profile, slot_values: tuple[int 
             a_eff = min(limit if a == "max" else int(a), n, limit)
             if a_eff < 1:
                 continue
-            gpu = GpuPlan(adapters=list(ids), weights=[1.0] * n, max_loras=a_eff, max_lora_rank=s,
-                          max_cpu_loras=n, max_num_seqs=profile.max_num_seqs,
-                          max_num_batched_tokens=profile.max_num_batched_tokens)
+            gpu = GpuPlan(adapters=list(ids), weights=[1.0] * n,
+                          server=ServerConfig(max_loras=a_eff, max_lora_rank=s, max_cpu_loras=n,
+                                              max_num_seqs=profile.max_num_seqs,
+                                              max_num_batched_tokens=profile.max_num_batched_tokens))
             plans.append((str(a), n, Plan(method="max_pack", model=profile.model, gpu_type=profile.gpu, gpus=[gpu])))
     reps = replayer.replay_many([p for _, _, p in plans], partial=True)
     by_slots: dict[str, dict[str, Any]] = {}

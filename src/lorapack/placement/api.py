@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import SpecError
 from ..oracle import CandidateArrivals, Oracle, Prediction, check_candidate_arrivals, default_slot_rank
 from ..profile import Profile
+from ..server import ServerConfig
 from .baselines import (
     Assignment,
     dlora,
@@ -310,9 +311,10 @@ def build_plan(method: str, inst: Instance, profile: Profile, fills: list[GpuFil
         gpus.append(GpuPlan(
             adapters=[inst.adapter_ids[e] for e in f.entries],
             weights=[float(inst.weights[e] * s) for e, s in zip(f.entries, shares, strict=True)],
-            max_loras=a, max_lora_rank=default_slot_rank(int(inst.ranks[idx].max())),
-            max_cpu_loras=max(len(f.entries), a), max_num_seqs=profile.max_num_seqs,
-            max_num_batched_tokens=profile.max_num_batched_tokens, max_model_len=profile.max_model_len,
+            server=ServerConfig(max_loras=a, max_lora_rank=default_slot_rank(int(inst.ranks[idx].max())),
+                                max_cpu_loras=max(len(f.entries), a), max_num_seqs=profile.max_num_seqs,
+                                max_num_batched_tokens=profile.max_num_batched_tokens,
+                                max_model_len=profile.max_model_len),
             incoming_tok_s=float(rates.sum()) * inst.tokens_per_request,
             predicted=None if v is not None and f.prediction is v.prediction else _metrics(
                 f.prediction, inst, f.entries, tested_adapters=f.extra.get("tested_at")),

@@ -43,6 +43,7 @@ import numpy as np
 from ..errors import LorapackError
 from ..oracle import CandidateArrivals, default_slot_rank
 from ..profile import Profile
+from ..server import ServerConfig
 from .greedy import N_MAX
 from .problem import STARVATION_RATIO, Instance, Objective
 
@@ -82,7 +83,6 @@ def simulate_capacity_tok_s(profile: Profile, slot_rank: int, mean_input_tokens:
     """``C(S)``: completed tokens/s of one saturated GPU (see the module docstring)."""
     from ..oracle import GpuCandidate, candidate_workload
     from ..profile import SchedulerModel
-    from ..server import ServerConfig
     from ..twin.early import capacity_bound_tok_s
     from ..twin.run import engine_config, resolve_server, simulate_requests
     from ..workload import generate_requests
@@ -99,7 +99,8 @@ def simulate_capacity_tok_s(profile: Profile, slot_rank: int, mean_input_tokens:
     tau = mean_input_tokens + mean_output_tokens
     # arrivals at twice the step-time model's hard upper bound on throughput (at most 200 req/s): saturated
     rate = min(2.0 * capacity_bound_tok_s(cfg.step_coef) / tau, 200.0)
-    cand = GpuCandidate(profile=prof, ranks=ranks, rates_rps=np.array([rate]), max_loras=1, max_lora_rank=slot_rank,
+    cand = GpuCandidate(profile=prof, ranks=ranks, rates_rps=np.array([rate]),
+                        server=ServerConfig(max_loras=1, max_lora_rank=slot_rank),
                         mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens)
     req = generate_requests(candidate_workload(cand, CAPACITY_DURATION_S), CAPACITY_DURATION_S, seed)
     _m, res = simulate_requests(prof, ranks, req, flags, CAPACITY_DURATION_S)
@@ -192,7 +193,8 @@ def simulate_latency_capacity_tok_s(profile: Profile, slot_rank: int, mean_input
 
     def passes(rate_rps: float) -> bool:  # in at least one seed: the first passing seed ends it
         cand = GpuCandidate(profile=profile, ranks=np.array([slot_rank]), rates_rps=np.array([rate_rps]),
-                            max_loras=1, max_lora_rank=slot_rank, mean_input_tokens=mean_input_tokens,
+                            server=ServerConfig(max_loras=1, max_lora_rank=slot_rank),
+                            mean_input_tokens=mean_input_tokens,
                             mean_output_tokens=mean_output_tokens)
         return any(objective.check(TwinOracle.aggregate(cand, [plain.simulate(cand, s)])) is None for s in seeds)
 

@@ -44,18 +44,22 @@ class GpuMetrics:
     tested_adapters: int | None = None
 
 
+# the flags a GPU of plan.json lists (flat keys, in this order, between ``weights`` and ``incoming_tok_s``)
+PLAN_FLAGS = ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens",
+              "max_model_len")
+_PLAN_ONLY = ServerConfig(max_loras=1)  # the non-flag fields a GpuPlan's server keeps at their defaults
+
+
 @dataclass
 class GpuPlan:
-    """One GPU of a plan."""
+    """One GPU of a plan: its adapters and its server (``server``: the one ``ServerConfig``, issue 22).
+
+    ``g.max_loras`` etc. read ``server``'s flags; ``plan.json`` lists them as flat keys (``to_dict`` /
+    ``plan_from_dict``), so the server holds only those flags (the version is the plan's)."""
 
     adapters: list[str]  # ids, registration order
     weights: list[float]  # share of each adapter's requests routed here (same order)
-    max_loras: int
-    max_lora_rank: int
-    max_cpu_loras: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int | None = None
+    server: ServerConfig  # the flags: max_loras, max_lora_rank, max_cpu_loras, max_num_seqs, ...
     incoming_tok_s: float = NAN  # expected offered token rate of this GPU's share of the load
     predicted: GpuMetrics | None = None
     verified: GpuMetrics | None = None
@@ -66,13 +70,60 @@ class GpuPlan:
             raise ValueError("one weight per adapter")
         if self.binding not in BINDING:
             raise ValueError(f"binding {self.binding!r}: expected one of {', '.join(BINDING)}")
+        if not isinstance(self.server, ServerConfig):
+            raise ValueError(f"a GPU plan's server: expected a ServerConfig, got {type(self.server).__name__}")
+        if self.server.replace(**{k: None for k in PLAN_FLAGS[1:]}, max_loras=1) != _PLAN_ONLY:
+            raise ValueError("a GPU plan's server holds only plan.json's flags "
+                             f"({', '.join(PLAN_FLAGS)}); the rest are the plan's")
+
+    # ---- the server's flags (read-only: replace ``server`` to change them) ----
+    @property
+    def max_loras(self) -> int:
+        return self.server.max_loras
+
+    @property
+    def max_lora_rank(self) -> int:
+        return self.server.max_lora_rank
+
+    @property
+    def max_cpu_loras(self) -> int:
+        return self.server.max_cpu_loras
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.server.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.server.max_num_batched_tokens
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.server.max_model_len
 
     def server_config(self) -> ServerConfig:
-        """This GPU's flags as the one server type (``lorapack.server.ServerConfig``). The fields above are
-        ``plan.json``'s serialised form of the same flags; ``evaluate`` and ``serve.sh`` go through this."""
-        return ServerConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                            max_cpu_loras=self.max_cpu_loras, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len)
+        """This GPU's server (``evaluate`` and ``serve.sh`` go through this)."""
+        return self.server
+
+    def to_dict(self) -> dict[str, Any]:
+        """plan.json's form: the server's flags as flat keys between ``weights`` and ``incoming_tok_s``."""
+        d = asdict(self)
+        d.pop("server")
+        out: dict[str, Any] = {"adapters": d.pop("adapters"), "weights": d.pop("weights")}
+        out.update((k, getattr(self.server, k)) for k in PLAN_FLAGS)
+        out.update(d)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GpuPlan:
+        """Inverse of ``to_dict`` (``predicted`` / ``verified`` as ``GpuMetrics``, or None)."""
+        d = dict(d)
+        server = ServerConfig(**{k: d.pop(k) for k in PLAN_FLAGS if k in d})
+        d["predicted"] = _metrics(d.get("predicted"))
+        d["verified"] = _metrics(d.get("verified"))
+        if d.get("incoming_tok_s") is None:
+            d["incoming_tok_s"] = NAN
+        return cls(server=server, **d)
 
 
 @dataclass
@@ -118,6 +169,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["gpus"] = [g.to_dict() for g in self.gpus]
         d["gpus_used"] = self.gpus_used
         d["gap_gpus"] = self.gap_gpus
         return _json_safe(d)
@@ -142,14 +194,7 @@ def _metrics(d: dict | None) -> GpuMetrics | None:
 
 def plan_from_dict(d: dict[str, Any]) -> Plan:
     """Inverse of ``Plan.to_dict`` (``plan.json``)."""
-    gpus = []
-    for g in d["gpus"]:
-        g = dict(g)
-        g["predicted"] = _metrics(g.get("predicted"))
-        g["verified"] = _metrics(g.get("verified"))
-        if g.get("incoming_tok_s") is None:
-            g["incoming_tok_s"] = NAN
-        gpus.append(GpuPlan(**g))
+    gpus = [GpuPlan.from_dict(g) for g in d["gpus"]]
     keys = {k: d[k] for k in ("method", "model", "gpu_type", "lower_bound_gpus", "infeasible", "reason",
                               "settings", "lower_bound", "verification", "diagnostics") if k in d}
     for k in ("placement_ms", "verification_ms"):

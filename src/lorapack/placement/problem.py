@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import SpecError
 from ..oracle import STARVED_PROBABILITY, GpuCandidate, Prediction
 from ..profile import VLLM_LORA_RANKS, Profile
+from ..server import ServerConfig
 
 # The default latency objective (documented in docs/placement.md and `lorapack place --help`): the mean
 # time to first token of every GPU at most 2 s. An interactive chat service notices waits beyond a couple of
@@ -141,7 +142,7 @@ class Instance:
             return GpuCandidate.prevalidated(profile, self.ranks[idx], self.rates_rps[idx], max_loras,
                                              self.mean_input_tokens, self.mean_output_tokens)
         return GpuCandidate(profile=profile, ranks=self.ranks[idx], rates_rps=self.rates_rps[idx],
-                            max_loras=int(max_loras), max_lora_rank=max_lora_rank,
+                            server=ServerConfig(max_loras=int(max_loras), max_lora_rank=max_lora_rank),
                             mean_input_tokens=self.mean_input_tokens, mean_output_tokens=self.mean_output_tokens)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..oracle import STARVED_PROBABILITY, GpuCandidate, Oracle, Prediction, default_slot_rank
 from ..profile import Profile
+from ..server import ServerConfig
 from .greedy import GpuFill, GreedyOptions, Infeasible, MemoryRule, fit_slots, greedy_fill, slot_candidates
 from .problem import Instance, Objective
 from .search import first_true
@@ -33,7 +34,7 @@ def fill_candidate(inst: Instance, profile: Profile, f: GpuFill) -> GpuCandidate
     shares = np.asarray(f.extra.get("shares") or np.ones(len(f.entries)))
     idx = np.asarray(f.entries, dtype=np.int64)
     return GpuCandidate(profile=profile, ranks=inst.ranks[idx], rates_rps=inst.rates_rps[idx] * shares,
-                        max_loras=f.max_loras, mean_input_tokens=inst.mean_input_tokens,
+                        server=ServerConfig(max_loras=f.max_loras), mean_input_tokens=inst.mean_input_tokens,
                         mean_output_tokens=inst.mean_output_tokens)
 
 

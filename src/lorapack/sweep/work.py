@@ -109,10 +109,12 @@ class WorkUnit:
 def candidate(cfg: SweepConfig, profile: Profile):
     """The config as an oracle question (``oracle.GpuCandidate``)."""
     from ..oracle import GpuCandidate
+    from ..server import ServerConfig
 
     return GpuCandidate(profile=profile, ranks=cfg.ranks(), rates_rps=cfg.rates_rps(),
-                        max_loras=cfg.adapter_slots, max_lora_rank=cfg.max_lora_rank,
-                        max_cpu_loras=cfg.served_adapters, mean_input_tokens=cfg.mean_input_tokens,
+                        server=ServerConfig(max_loras=cfg.adapter_slots, max_lora_rank=cfg.max_lora_rank,
+                                            max_cpu_loras=cfg.served_adapters),
+                        mean_input_tokens=cfg.mean_input_tokens,
                         mean_output_tokens=cfg.mean_output_tokens)
 
 
