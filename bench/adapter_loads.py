@@ -25,9 +25,10 @@ import numpy as np
 
 from lorapack.calibrate import default_data_dir
 from lorapack.profile import find_profile
+from lorapack.server import ServerConfig
 from lorapack.spec import Adapter, LengthsSpec, Workload
 from lorapack.twin.engine import simulate_fast
-from lorapack.twin.run import ServerFlags, engine_config, resolve_server
+from lorapack.twin.run import engine_config, resolve_server
 from lorapack.workload import generate_requests
 
 RESULTS = Path(__file__).parent / "results" / "adapter_loads.json"
@@ -39,7 +40,7 @@ def twin_loads(prof, a: int, n: int, rate: float, protect: bool, seed: int = 0) 
                   lengths=LengthsSpec(kind="lognormal", mean_input_tokens=223, mean_output_tokens=197, cv=cv))
     req = generate_requests(wl, 600.0, seed)
     ranks = np.full(n, 8)
-    srv = resolve_server(prof, ranks, ServerFlags(max_loras=a, max_lora_rank=8))
+    srv = resolve_server(prof, ranks, ServerConfig(max_loras=a, max_lora_rank=8))
     cfg = engine_config(prof, ranks, srv, 600.0)
     cfg.lru_protects_batch = protect
     return simulate_fast(cfg, req).n_gpu_loads

@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from lorapack.profile import find_profile
+from lorapack.server import ServerConfig
 from lorapack.spec import LengthsSpec
 from lorapack.twin.engine import simulate_fast
-from lorapack.twin.run import ServerFlags, engine_config, resolve_server
+from lorapack.twin.run import engine_config, resolve_server
 from lorapack.twin.steptime import LORA_FORM, LORA_NONE
 from lorapack.twin.types import RequestArrays
 from lorapack.workload.lengths import sample_lengths
@@ -45,7 +46,7 @@ def burst(model: str, slot_rank: int | None, prompts: int, seed: int = 0) -> dic
                           np.random.default_rng(seed))
     req = RequestArrays(np.zeros(prompts), np.zeros(prompts, np.int32), p.astype(np.int32), o.astype(np.int32))
     rank = 8 if slot_rank is None else slot_rank
-    srv = resolve_server(prof, np.array([rank]), ServerFlags(max_loras=1, max_lora_rank=rank, max_num_seqs=2048))
+    srv = resolve_server(prof, np.array([rank]), ServerConfig(max_loras=1, max_lora_rank=rank, max_num_seqs=2048))
     cfg = engine_config(prof, np.array([rank]), srv, HORIZON_S)
     if slot_rank is None:  # the base model: no LoRA part in the step time
         cfg.step_coef = cfg.step_coef.copy()

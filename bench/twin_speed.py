@@ -75,8 +75,9 @@ REPO = Path(__file__).resolve().parents[1]
 def serve() -> None:
     """Worker of ``--compare``: reads config names from stdin, prints one JSON line of wall seconds each."""
     from lorapack.profile import find_profile
+    from lorapack.server import ServerConfig
     from lorapack.twin.engine import warm_up
-    from lorapack.twin.run import ServerFlags, simulate
+    from lorapack.twin.run import simulate
 
     by_name = {c[0]: c for c in CONFIGS}
     print(json.dumps({"ready": True, "compile_s": warm_up(), "lorapack": __import__("lorapack").__file__}),
@@ -84,7 +85,7 @@ def serve() -> None:
     for line in sys.stdin:
         name, model, n, ranks, rates, a_max, s_max, _paper_s = by_name[line.strip()]
         prof, wl = find_profile(model), build(model, n, ranks, rates)
-        flags = ServerFlags(max_loras=a_max, max_lora_rank=s_max)
+        flags = ServerConfig(max_loras=a_max, max_lora_rank=s_max)
         t0, c0 = time.perf_counter(), time.thread_time()
         m, _res = simulate(prof, wl, flags, 3600.0, 0)
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
@@ -191,8 +192,9 @@ def main() -> None:
     args.out = args.out or results / "twin_speed.json"
 
     from lorapack.profile import find_profile
+    from lorapack.server import ServerConfig
     from lorapack.twin.engine import warm_up
-    from lorapack.twin.run import ServerFlags, simulate
+    from lorapack.twin.run import simulate
 
     compile_s = warm_up()
     rows = []
@@ -201,7 +203,7 @@ def main() -> None:
     for name, model, n, ranks, rates, a_max, s_max, paper_s in CONFIGS:
         prof = find_profile(model)
         wl = build(model, n, ranks, rates)
-        flags = ServerFlags(max_loras=a_max, max_lora_rank=s_max)
+        flags = ServerConfig(max_loras=a_max, max_lora_rank=s_max)
         walls = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()

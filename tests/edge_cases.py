@@ -54,13 +54,14 @@ API = """
 import math
 import numpy as np
 from lorapack.profile import find_profile
-from lorapack.twin.run import ServerFlags, simulate_requests
+from lorapack.server import ServerConfig
+from lorapack.twin.run import simulate_requests
 from lorapack.twin.types import RequestArrays
 prof = find_profile("llama-3.1-8b-instruct")
 ranks = np.array([8, 16], np.int32)
 def run(t, a, p, o, duration_s=60.0):
     req = RequestArrays(np.array(t, float), np.array(a), np.array(p), np.array(o))
-    m, _ = simulate_requests(prof, ranks, req, ServerFlags(max_loras=2), duration_s)
+    m, _ = simulate_requests(prof, ranks, req, ServerConfig(max_loras=2), duration_s)
     d = m.to_dict() if hasattr(m, "to_dict") else m  # (a dict before the typed results)
     print(f"ttft_mean_ms={d['ttft_mean_ms']:.1f} throughput_tok_s={d['throughput_tok_s']:.1f} "
           f"starved={d['starved']} n_arrived={d['n_arrived']}")

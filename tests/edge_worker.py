@@ -33,8 +33,9 @@ def _api(req: dict) -> None:
     import numpy as np
 
     from lorapack.profile import find_profile
+    from lorapack.server import ServerConfig
     from lorapack.twin.engine import Engine, simulate_fast
-    from lorapack.twin.run import ServerFlags, engine_config, resolve_server, simulate_requests
+    from lorapack.twin.run import engine_config, resolve_server, simulate_requests
     from lorapack.twin.types import RequestArrays
 
     t, a, p, o = req["arrays"]
@@ -47,7 +48,7 @@ def _api(req: dict) -> None:
             entry = "simulate_requests"
         else:
             arrays = RequestArrays(t, a, p, o)
-        flags = ServerFlags(max_loras=req["max_loras"])
+        flags = ServerConfig(max_loras=req["max_loras"])
         if entry == "simulate_requests":
             m, _ = simulate_requests(prof, ranks, arrays, flags, req["duration_s"])
             print(json.dumps({k: getattr(m, k) for k in ("n_arrived", "n_completed", "oom")}))

@@ -21,7 +21,7 @@ from lorapack.twin.early import (
     starved_trend,
 )
 from lorapack.twin.engine import WAITING, Engine, simulate_fast
-from lorapack.twin.run import ServerFlags, engine_config, resolve_server
+from lorapack.twin.run import engine_config, resolve_server
 from lorapack.twin.types import EngineResult, RequestArrays
 from lorapack.workload import generate_requests
 
@@ -82,7 +82,7 @@ def _starved_with_preemption():
     cand = GpuCandidate(profile=LLAMA, ranks=np.full(16, 8), rates_rps=np.full(16, 1.5),
                         server=ServerConfig(max_loras=16))
     req = generate_requests(candidate_workload(cand, 600.0), 600.0, 3)
-    srv = resolve_server(LLAMA, cand.ranks, ServerFlags(max_loras=16))
+    srv = resolve_server(LLAMA, cand.ranks, ServerConfig(max_loras=16))
     cfg = engine_config(LLAMA, cand.ranks, srv, 600.0)
     cfg.kv_blocks = 400  # tiny KV: preemptions
     return cfg, req
@@ -203,7 +203,7 @@ def test_adapter_labels_settle_only_when_no_tail_request_can_starve_an_adapter()
 
 def _run(cand: GpuCandidate, seed: int, early: bool, duration_s: float = 3600.0):
     req = generate_requests(candidate_workload(cand, duration_s), duration_s, seed)
-    srv = resolve_server(LLAMA, cand.ranks, ServerFlags(max_loras=cand.max_loras, max_cpu_loras=cand.cpu_loras))
+    srv = resolve_server(LLAMA, cand.ranks, ServerConfig(max_loras=cand.max_loras, max_cpu_loras=cand.cpu_loras))
     cfg = engine_config(LLAMA, cand.ranks, srv, duration_s)
     opts = OPTS if early else EarlyStopOptions(certain=False, likely=False, healthy=False)
     return run_with_early_stop(cfg, req, opts)[1]

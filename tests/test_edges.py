@@ -418,18 +418,19 @@ def test_limits_refuse_then_force_runs() -> None:
     from lorapack.errors import ResourceLimitError
     from lorapack.guards import Limits
     from lorapack.profile import find_profile
-    from lorapack.twin.run import ServerFlags, simulate
+    from lorapack.server import ServerConfig
+    from lorapack.twin.run import simulate
     from lorapack.workload import load_workload
 
     prof, wl = find_profile(LLAMA), load_workload(DEMO)
     with pytest.raises(ResourceLimitError, match=r"gives 114 requests in one run; the limit is 100 requests "
                                                  r"\(--force lifts it\)"):
-        simulate(prof, wl, ServerFlags(max_loras=8), 30.0, 0, limits=Limits(max_requests=100))
+        simulate(prof, wl, ServerConfig(max_loras=8), 30.0, 0, limits=Limits(max_requests=100))
     with pytest.raises(ResourceLimitError, match="memory"):
-        simulate(prof, wl, ServerFlags(max_loras=8), 30.0, 0, limits=Limits(max_memory_bytes=1000))
+        simulate(prof, wl, ServerConfig(max_loras=8), 30.0, 0, limits=Limits(max_memory_bytes=1000))
     with pytest.raises(ResourceLimitError, match="engine steps"):
-        simulate(prof, wl, ServerFlags(max_loras=8), 30.0, 0, limits=Limits(max_steps=10))
-    out, _ = simulate(prof, wl, ServerFlags(max_loras=8), 30.0, 0, limits=Limits(max_requests=100, force=True))
+        simulate(prof, wl, ServerConfig(max_loras=8), 30.0, 0, limits=Limits(max_steps=10))
+    out, _ = simulate(prof, wl, ServerConfig(max_loras=8), 30.0, 0, limits=Limits(max_requests=100, force=True))
     assert out.n_generated > 50  # ran: the soft limit was lifted
 
 
@@ -514,7 +515,8 @@ def test_layouts_fit_80_columns(monkeypatch, tmp_path: Path) -> None:
     from lorapack.cli import profiles as cli_profiles
     from lorapack.cli import simulate as cli_simulate
     from lorapack.profile import find_profile
-    from lorapack.twin.run import ServerFlags, simulate
+    from lorapack.server import ServerConfig
+    from lorapack.twin.run import simulate
     from lorapack.workload import load_workload
 
     prof = find_profile(LLAMA)
@@ -522,8 +524,8 @@ def test_layouts_fit_80_columns(monkeypatch, tmp_path: Path) -> None:
     hot = tmp_path / "hot.yaml"
     hot.write_text("adapters:\n  - {count: 40, rank: 16, rate_rps: 0.6, id_prefix: a-rather-long-adapter-name}\n")
     starving = load_workload(hot)
-    runs = [simulate(prof, wl, ServerFlags(max_loras=a), 300.0, 0)[0] for a in (4, 64, 100000)]
-    bad, _ = simulate(prof, starving, ServerFlags(max_loras=2), 600.0, 0)
+    runs = [simulate(prof, wl, ServerConfig(max_loras=a), 300.0, 0)[0] for a in (4, 64, 100000)]
+    bad, _ = simulate(prof, starving, ServerConfig(max_loras=2), 600.0, 0)
     assert bad.n_adapters_starved > 8 and runs[-1].oom
 
     con = _narrow()

@@ -9,10 +9,10 @@ import pytest
 
 from lorapack.errors import LorapackError, LorapackWarning, SpecError
 from lorapack.profile import find_profile
+from lorapack.server import ServerConfig
 from lorapack.spec import Adapter, LengthsSpec, Workload
 from lorapack.twin.run import (
     DEFAULT_DURATION_S,
-    ServerFlags,
     engine_config,
     resolve_server,
     simulate,
@@ -41,7 +41,7 @@ def _workload(n: int = 12, ranks=(8, 16), rate: float = 0.5, duration_s: float |
 
 def test_resolve_defaults(llama) -> None:
     ranks = np.array([8, 16, 8])
-    srv = resolve_server(llama, ranks, ServerFlags(max_loras=2))
+    srv = resolve_server(llama, ranks, ServerConfig(max_loras=2))
     assert srv.max_lora_rank == 16  # S = largest served rank
     assert srv.max_cpu_loras == 3  # N_cpu = max(N, A)
     assert (srv.max_num_batched_tokens, srv.max_num_seqs) == (2048, 2048)
@@ -49,11 +49,11 @@ def test_resolve_defaults(llama) -> None:
     assert srv.starts and srv.error_type is None
     assert (srv.starts, srv.kv_cache_tokens, srv.error_type) == llama.startup(2, 16)
     # more slots than adapters: N_cpu follows A (vLLM requires max_cpu_loras >= max_loras)
-    assert resolve_server(llama, ranks, ServerFlags(max_loras=5)).max_cpu_loras == 5
+    assert resolve_server(llama, ranks, ServerConfig(max_loras=5)).max_cpu_loras == 5
 
 
 def test_resolve_explicit_flags(llama) -> None:
-    srv = resolve_server(llama, np.array([8, 16]), ServerFlags(
+    srv = resolve_server(llama, np.array([8, 16]), ServerConfig(
         max_loras=2, max_lora_rank=32, max_cpu_loras=7, max_num_batched_tokens=512, max_num_seqs=64,
         max_model_len=4096))
     assert (srv.max_lora_rank, srv.max_cpu_loras, srv.max_num_batched_tokens, srv.max_num_seqs,
@@ -62,23 +62,23 @@ def test_resolve_explicit_flags(llama) -> None:
 
 
 def test_resolve_oom(llama) -> None:
-    srv = resolve_server(llama, np.full(300, 16), ServerFlags(max_loras=256))
+    srv = resolve_server(llama, np.full(300, 16), ServerConfig(max_loras=256))
     assert not srv.starts and srv.error_type == "kv_cache_insufficient"
     assert srv.kv_cache_tokens < llama.max_model_len
 
 
 @pytest.mark.parametrize("ranks, flags, match", [
-    ([], ServerFlags(max_loras=1), "no adapters"),
-    ([8], ServerFlags(max_loras=0), "--max-loras 0"),
-    ([8], ServerFlags(max_loras=-3), "--max-loras -3"),
-    ([8, 32], ServerFlags(max_loras=1, max_lora_rank=16), "--max-lora-rank 16 is below .* 32"),
-    ([8] * 10, ServerFlags(max_loras=4, max_cpu_loras=3), "--max-cpu-loras 3 is below --max-loras 4"),
-    ([8], ServerFlags(max_loras=1, max_model_len=0), "--max-model-len 0"),
-    ([8], ServerFlags(max_loras=1, max_model_len=-5), "--max-model-len -5"),
-    ([8], ServerFlags(max_loras=1, max_model_len=10**6), "--max-model-len 1000000"),
-    ([8], ServerFlags(max_loras=1, max_num_seqs=0), "--max-num-seqs 0"),
-    ([8], ServerFlags(max_loras=1, max_num_batched_tokens=-1), "--max-num-batched-tokens -1"),
-    ([8], ServerFlags(max_loras=1, client_cap=-1), "--client-cap -1"),
+    ([], ServerConfig(max_loras=1), "no adapters"),
+    ([8], ServerConfig(max_loras=0), "--max-loras 0"),
+    ([8], ServerConfig(max_loras=-3), "--max-loras -3"),
+    ([8, 32], ServerConfig(max_loras=1, max_lora_rank=16), "--max-lora-rank 16 is below .* 32"),
+    ([8] * 10, ServerConfig(max_loras=4, max_cpu_loras=3), "--max-cpu-loras 3 is below --max-loras 4"),
+    ([8], ServerConfig(max_loras=1, max_model_len=0), "--max-model-len 0"),
+    ([8], ServerConfig(max_loras=1, max_model_len=-5), "--max-model-len -5"),
+    ([8], ServerConfig(max_loras=1, max_model_len=10**6), "--max-model-len 1000000"),
+    ([8], ServerConfig(max_loras=1, max_num_seqs=0), "--max-num-seqs 0"),
+    ([8], ServerConfig(max_loras=1, max_num_batched_tokens=-1), "--max-num-batched-tokens -1"),
+    ([8], ServerConfig(max_loras=1, client_cap=-1), "--client-cap -1"),
 ])
 def test_resolve_errors(llama, ranks, flags, match) -> None:
     with pytest.raises(SpecError, match=match):
@@ -92,7 +92,7 @@ def test_step_model_packing(llama) -> None:
     st, sc = llama.steptime, llama.scheduler
     prof = llama.model_copy(update={"steptime": st.model_copy(update={"gamma": 0.5, "gamma_token": None,
                                                                       "gamma_adapter": None})})
-    srv = resolve_server(prof, np.array([8] * 30 + [32] * 10), ServerFlags(max_loras=8))
+    srv = resolve_server(prof, np.array([8] * 30 + [32] * 10), ServerConfig(max_loras=8))
     # separate exponents for the per-token and the per-adapter terms (an older profile's gamma fills a gap)
     split = llama.model_copy(update={"steptime": st.model_copy(update={"gamma": 0.5, "gamma_token": 0.0,
                                                                        "gamma_adapter": 1.0})})
@@ -113,7 +113,7 @@ def test_step_model_packing(llama) -> None:
     flat = llama.model_copy(update={"steptime": st.model_copy(update={"gamma": 0.0, "gamma_token": None,
                                                                       "gamma_adapter": None})})
     with pytest.warns(LorapackWarning, match="outside the ranks"):  # 64: not a calibrated rank
-        srv = resolve_server(flat, np.array([8, 64]), ServerFlags(max_loras=2))
+        srv = resolve_server(flat, np.array([8, 64]), ServerConfig(max_loras=2))
     assert step_model(flat, srv).rank_scale == 1.0 and step_model(flat, srv).rank_scale_token == 1.0
 
 
@@ -122,12 +122,12 @@ def test_step_model_slot_grid_cost(llama) -> None:
     st = llama.steptime.model_copy(update={"e1_ms_per_token": 0.01, "e1p_ms_per_prefill_token": 0.002,
                                            "e4_ms_per_ktok_slot": 0.5})
     prof = llama.model_copy(update={"steptime": st})
-    sm = step_model(prof, resolve_server(prof, np.full(300, 8), ServerFlags(max_loras=200)))
+    sm = step_model(prof, resolve_server(prof, np.full(300, 8), ServerConfig(max_loras=200)))
     assert sm.e1_ms_per_token == pytest.approx(0.01 + 0.5 * 200 / 1000)
     assert sm.e1p_ms_per_prefill_token == pytest.approx(0.002 + 0.5 * 200 / 1000)
     st = st.model_copy(update={"e1p_ms_per_prefill_token": None, "e4_ms_per_ktok_slot": 0.0})
     sm = step_model(prof.model_copy(update={"steptime": st}),
-                    resolve_server(prof, np.full(300, 8), ServerFlags(max_loras=200)))
+                    resolve_server(prof, np.full(300, 8), ServerConfig(max_loras=200)))
     assert sm.e1_ms_per_token == sm.e1p_ms_per_prefill_token == pytest.approx(0.01)
 
 
@@ -135,22 +135,22 @@ def test_step_model_shrink_grid_counts_every_slot_and_rank_block(llama) -> None:
     # e5 x (A + 1) x ceil(S / 16): the grid has a layer per slot (and the no-LoRA one), 16 rank columns a block
     prof = llama.model_copy(update={"steptime": llama.steptime.model_copy(update={"e5_ms_per_kblock_slot": 0.3})})
     for a, s, want in ((8, 8, 0.3 * 9), (128, 16, 0.3 * 129), (128, 32, 0.3 * 129 * 2)):
-        sm = step_model(prof, resolve_server(prof, np.full(200, 8), ServerFlags(max_loras=a, max_lora_rank=s)))
+        sm = step_model(prof, resolve_server(prof, np.full(200, 8), ServerConfig(max_loras=a, max_lora_rank=s)))
         assert sm.shrink_grid_ms_per_kblock == pytest.approx(want), (a, s)
-    assert step_model(llama, resolve_server(llama, np.full(200, 8), ServerFlags(max_loras=8))
+    assert step_model(llama, resolve_server(llama, np.full(200, 8), ServerConfig(max_loras=8))
                       ).shrink_grid_ms_per_kblock == 0.0
 
 
 def test_step_model_slot_ratio_follows_cpu_cache(llama) -> None:
     ranks = np.full(100, 16)
-    a = step_model(llama, resolve_server(llama, ranks, ServerFlags(max_loras=10)))
-    b = step_model(llama, resolve_server(llama, ranks, ServerFlags(max_loras=10, max_cpu_loras=20)))
+    a = step_model(llama, resolve_server(llama, ranks, ServerConfig(max_loras=10)))
+    b = step_model(llama, resolve_server(llama, ranks, ServerConfig(max_loras=10, max_cpu_loras=20)))
     assert a.sched_ms_per_waiting_slot_ratio * 100 == pytest.approx(b.sched_ms_per_waiting_slot_ratio * 20)
 
 
 def test_engine_config(llama) -> None:
     ranks = np.array([8, 16, 8])
-    srv = resolve_server(llama, ranks, ServerFlags(max_loras=2))
+    srv = resolve_server(llama, ranks, ServerConfig(max_loras=2))
     cfg = engine_config(llama, ranks, srv, 120.0, client_cap=7, warm_start=False)
     assert cfg.kv_blocks == srv.kv_cache_tokens // llama.block_size
     assert cfg.load_ms.tolist() == [llama.activation_ms(16, r) for r in (8, 16, 8)]
@@ -164,7 +164,7 @@ def test_engine_config(llama) -> None:
 
 def test_simulate_is_deterministic_given_the_seed(llama) -> None:
     wl = _workload()
-    flags = ServerFlags(max_loras=4)
+    flags = ServerConfig(max_loras=4)
     a, ra = simulate(llama, wl, flags, 120.0, seed=3)
     b, rb = simulate(llama, wl, flags, 120.0, seed=3)
     c, _ = simulate(llama, wl, flags, 120.0, seed=4)
@@ -180,7 +180,7 @@ def test_simulate_is_deterministic_given_the_seed(llama) -> None:
 
 
 def test_simulate_output(llama) -> None:
-    out, res = simulate(llama, _workload(), ServerFlags(max_loras=4), 60.0, seed=0)
+    out, res = simulate(llama, _workload(), ServerConfig(max_loras=4), 60.0, seed=0)
     assert out.oom is False and res is not None
     assert (out.duration_s, out.model, out.gpu) == (60.0, LLAMA, "h100-64gb")
     assert out.server.to_dict() == {"max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": 12,
@@ -192,9 +192,9 @@ def test_simulate_output(llama) -> None:
 
 
 def test_simulate_duration_defaults(llama) -> None:
-    assert simulate(llama, _workload(n=2, rate=0.1, duration_s=30.0), ServerFlags(max_loras=2))[0].duration_s == 30.0
+    assert simulate(llama, _workload(n=2, rate=0.1, duration_s=30.0), ServerConfig(max_loras=2))[0].duration_s == 30.0
     # explicit duration wins over the workload's
-    assert simulate(llama, _workload(n=2, rate=0.1, duration_s=30.0), ServerFlags(max_loras=2),
+    assert simulate(llama, _workload(n=2, rate=0.1, duration_s=30.0), ServerConfig(max_loras=2),
                     10.0)[0].duration_s == 10.0
     assert DEFAULT_DURATION_S == 3600.0
 
@@ -203,11 +203,11 @@ def test_simulate_duration_defaults(llama) -> None:
 def test_simulate_rejects_bad_duration(llama, dur: float) -> None:
     # 0 is an error, not "use the default 3600 s"
     with pytest.raises(SpecError, match="--duration-s"):
-        simulate(llama, _workload(), ServerFlags(max_loras=2), dur)
+        simulate(llama, _workload(), ServerConfig(max_loras=2), dur)
 
 
 def test_simulate_oom_returns_no_result(llama) -> None:
-    out, res = simulate(llama, _workload(n=300, ranks=(16,), rate=0.01), ServerFlags(max_loras=256), 30.0)
+    out, res = simulate(llama, _workload(n=300, ranks=(16,), rate=0.01), ServerConfig(max_loras=256), 30.0)
     assert res is None
     assert out.oom is True and out.error_type == "kv_cache_insufficient"
     assert out.n_completed == 0 and out.throughput_tok_s == 0.0 and out.starved is None
@@ -217,14 +217,14 @@ def test_simulate_oom_returns_no_result(llama) -> None:
 def test_simulate_requests_hand_built(llama) -> None:
     req = RequestArrays(np.array([0.0, 0.5, 1.0]), np.array([0, 1, 0]), np.array([100, 200, 50]),
                         np.array([10, 20, 5]))
-    out, res = simulate_requests(llama, np.array([8, 16]), req, ServerFlags(max_loras=2), 30.0)
+    out, res = simulate_requests(llama, np.array([8, 16]), req, ServerConfig(max_loras=2), 30.0)
     assert out.n_arrived == out.n_completed == 3
     assert out.throughput_tok_s == pytest.approx((350 + 35) / 30.0)
     assert out.starved is False
     with pytest.raises(LorapackError):
-        simulate_requests(llama, np.array([8, 16]), req, ServerFlags(max_loras=2), 0.0)
+        simulate_requests(llama, np.array([8, 16]), req, ServerConfig(max_loras=2), 0.0)
 
 
 def test_qwen_runs_too() -> None:
-    out, _ = simulate(find_profile(QWEN), _workload(), ServerFlags(max_loras=4), 30.0)
+    out, _ = simulate(find_profile(QWEN), _workload(), ServerConfig(max_loras=4), 30.0)
     assert out.oom is False and out.server.max_model_len == 32_768

@@ -28,7 +28,7 @@ from lorapack.server import (
     rules_for_version,
 )
 from lorapack.twin.metrics import ServerSettings
-from lorapack.twin.run import ServerFlags, engine_config, resolve_server, simulate_requests, step_model
+from lorapack.twin.run import engine_config, resolve_server, simulate_requests, step_model
 from lorapack.twin.types import RequestArrays
 
 LLAMA = "llama-3.1-8b-instruct"
@@ -42,9 +42,11 @@ def prof():
 
 # ---- one type ----------------------------------------------------------------------------------------------
 def test_older_names_are_the_one_type() -> None:
-    assert ServerFlags is ServerConfig and ServerSettings is ServerConfig
-    cfg = ServerFlags(max_loras=2, max_cpu_loras=6, max_lora_rank=8, max_num_seqs=32, max_num_batched_tokens=512,
-                      max_model_len=512)  # the testbed's call shape
+    import lorapack.twin.run as run
+
+    assert ServerSettings is ServerConfig and not hasattr(run, "ServerFlags")  # ServerFlags: removed
+    cfg = ServerConfig(max_loras=2, max_cpu_loras=6, max_lora_rank=8, max_num_seqs=32, max_num_batched_tokens=512,
+                       max_model_len=512)  # the testbed's call shape
     assert isinstance(cfg, ServerConfig) and cfg.rules is None and cfg.vllm_version is None
 
 

@@ -13,11 +13,12 @@ from data_helpers import run_main
 from lorapack.errors import LorapackWarning, SpecError
 from lorapack.profile import find_profile
 from lorapack.realruns import RunPrediction, score_runs, signed_bias_pct, ttft_objective_agreement
+from lorapack.server import ServerConfig
 from lorapack.spec import Adapter, LengthsSpec, PoissonArrivals, Workload
 from lorapack.twin import gaps
 from lorapack.twin.engine import simulate_fast
 from lorapack.twin.reference import simulate_reference
-from lorapack.twin.run import ServerFlags, simulate, simulate_requests
+from lorapack.twin.run import simulate, simulate_requests
 from lorapack.twin.steptime import StepModel
 from lorapack.twin.types import EngineConfig, RequestArrays
 
@@ -64,7 +65,7 @@ def test_itl_p99_reports_the_gap_tail() -> None:
     wl = Workload(adapters=[Adapter(adapter_id=f"a{i}", rank=8, rate_rps=0.5) for i in range(8)],
                   lengths=LengthsSpec(kind="fixed", mean_input_tokens=800, mean_output_tokens=100),
                   arrivals=PoissonArrivals())
-    m, _ = simulate(prof, wl, ServerFlags(max_loras=8), 600.0, seed=1)
+    m, _ = simulate(prof, wl, ServerConfig(max_loras=8), 600.0, seed=1)
     assert m.itl_median_ms <= m.itl_mean_ms * 1.1
     assert m.itl_p99_ms > m.itl_median_ms  # prefill-heavy steps make the tail
 
@@ -77,7 +78,7 @@ def test_idle_server_on_a_short_window_is_not_starved() -> None:
     prof = find_profile(LLAMA)
     wl = Workload(adapters=[Adapter(adapter_id=f"a{i}", rank=8, rate_rps=0.1) for i in range(3)])
     for seed in range(8):
-        m, _ = simulate(prof, wl, ServerFlags(max_loras=2), 60.0, seed=seed)
+        m, _ = simulate(prof, wl, ServerConfig(max_loras=2), 60.0, seed=seed)
         assert m.starved is False and m.adapter_starved is False, seed
         assert m.finishable_tok_s <= m.incoming_tok_s
 
@@ -85,7 +86,7 @@ def test_idle_server_on_a_short_window_is_not_starved() -> None:
 def test_finishable_tokens_equal_incoming_on_long_windows_without_late_requests() -> None:
     prof = find_profile(LLAMA)
     wl = Workload(adapters=[Adapter(adapter_id=f"a{i}", rank=16, rate_rps=0.05) for i in range(16)])
-    m, _ = simulate(prof, wl, ServerFlags(max_loras=16), 3600.0, seed=0)
+    m, _ = simulate(prof, wl, ServerConfig(max_loras=16), 3600.0, seed=0)
     assert m.finishable_tok_s == pytest.approx(m.incoming_tok_s, rel=2e-3)
 
 
@@ -97,15 +98,15 @@ def test_max_lora_rank_outside_vllms_list_is_refused(slot) -> None:
     prof = find_profile(LLAMA)
     req = RequestArrays(np.array([0.0]), np.array([0]), np.array([10]), np.array([5]))
     with pytest.raises(SpecError, match="vLLM accepts only"):
-        simulate_requests(prof, np.array([4]), req, ServerFlags(max_loras=1, max_lora_rank=slot), 10.0)
+        simulate_requests(prof, np.array([4]), req, ServerConfig(max_loras=1, max_lora_rank=slot), 10.0)
 
 
 def test_adapter_rank_above_max_lora_rank_is_refused_and_default_slot_is_a_vllm_value() -> None:
     prof = find_profile(LLAMA)
     req = RequestArrays(np.array([0.0]), np.array([0]), np.array([10]), np.array([5]))
     with pytest.raises(SpecError, match="below the largest adapter rank"):
-        simulate_requests(prof, np.array([16]), req, ServerFlags(max_loras=1, max_lora_rank=8), 10.0)
-    m, _ = simulate_requests(prof, np.array([12]), req, ServerFlags(max_loras=1), 10.0)  # rank 12 -> S = 16
+        simulate_requests(prof, np.array([16]), req, ServerConfig(max_loras=1, max_lora_rank=8), 10.0)
+    m, _ = simulate_requests(prof, np.array([12]), req, ServerConfig(max_loras=1), 10.0)  # rank 12 -> S = 16
     assert m.server.max_lora_rank == 16
 
 
@@ -113,10 +114,10 @@ def test_ranks_outside_the_calibrated_ones_warn() -> None:
     prof = find_profile(LLAMA)
     req = RequestArrays(np.array([0.0]), np.array([0]), np.array([10]), np.array([5]))
     with pytest.warns(LorapackWarning, match="outside the ranks"):
-        simulate_requests(prof, np.array([64]), req, ServerFlags(max_loras=1), 10.0)
+        simulate_requests(prof, np.array([64]), req, ServerConfig(max_loras=1), 10.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", LorapackWarning)
-        simulate_requests(prof, np.array([16]), req, ServerFlags(max_loras=1), 10.0)  # calibrated: silent
+        simulate_requests(prof, np.array([16]), req, ServerConfig(max_loras=1), 10.0)  # calibrated: silent
 
 
 def test_requests_longer_than_max_model_len_are_rejected_not_served() -> None:
@@ -125,7 +126,7 @@ def test_requests_longer_than_max_model_len_are_rejected_not_served() -> None:
     p = np.where(np.arange(n) % 4 == 0, 3000, 200).astype(np.int32)  # every 4th request is too long
     req = RequestArrays(np.linspace(0, 30, n), np.zeros(n, np.int32), p, np.full(n, 50, np.int32))
     with pytest.warns(LorapackWarning, match="longer than --max-model-len 2048"):
-        m, res = simulate_requests(prof, np.array([8]), req, ServerFlags(max_loras=1, max_model_len=2048), 60.0)
+        m, res = simulate_requests(prof, np.array([8]), req, ServerConfig(max_loras=1, max_model_len=2048), 60.0)
     assert m.n_rejected == 10 and m.n_arrived == 30 and m.n_completed == 30
     assert m.rejected_tok_s == pytest.approx(10 * 3050 / 60.0)
     assert not m.starved  # the served ones all finished: rejections are not load

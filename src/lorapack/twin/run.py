@@ -28,11 +28,6 @@ DEFAULT_DURATION_S = 3600.0
 REAL_CLIENT_CAP = 25_500
 
 
-# ``ServerFlags`` is the older name of ``lorapack.server.ServerConfig`` (deprecated alias, kept because the
-# testbed, its real tests and many call sites build ``ServerFlags(max_loras=..., ...)``): the same type.
-ServerFlags = ServerConfig
-
-
 def check_seconds(value, name: str = "--duration-s") -> float:
     """A finite, positive number of seconds as a float, else a one-line ``SpecError``."""
     numeric = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
