@@ -27,7 +27,6 @@ from lorapack.server import (
     parse_vllm_version,
     rules_for_version,
 )
-from lorapack.twin.metrics import ServerSettings
 from lorapack.twin.run import engine_config, resolve_server, simulate_requests, step_model
 from lorapack.twin.types import RequestArrays
 
@@ -42,9 +41,11 @@ def prof():
 
 # ---- one type ----------------------------------------------------------------------------------------------
 def test_older_names_are_the_one_type() -> None:
+    import lorapack.twin.metrics as metrics
     import lorapack.twin.run as run
 
-    assert ServerSettings is ServerConfig and not hasattr(run, "ServerFlags")  # ServerFlags: removed
+    # the older names that restated the flags are gone: ServerConfig is the one type
+    assert not hasattr(run, "ServerFlags") and not hasattr(metrics, "ServerSettings")
     cfg = ServerConfig(max_loras=2, max_cpu_loras=6, max_lora_rank=8, max_num_seqs=32, max_num_batched_tokens=512,
                        max_model_len=512)  # the testbed's call shape
     assert isinstance(cfg, ServerConfig) and cfg.rules is None and cfg.vllm_version is None

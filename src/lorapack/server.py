@@ -1,8 +1,10 @@
 """One vLLM server's configuration: its flags under vLLM's names, its vLLM version and that version's rules.
 
-``ServerConfig`` is the one type that goes from the CLI (or a plan, or a profile) to the engine
-(architecture.md, "Server config"). ``None`` flags take vLLM's / the profile's defaults when the twin resolves
-them (``lorapack.twin.run.resolve_server``: a ``ServerConfig`` with every flag set and ``rules`` chosen).
+``ServerConfig`` is the one type that goes from the CLI (or a plan, or a profile) to the engine (docs/testbed.md,
+"Version rules"): a placement candidate (``oracle.GpuCandidate.server``) and a plan's GPU (``GpuPlan.server``)
+hold one, and a run's ``RunMetrics.server`` is the resolved one. ``None`` flags take vLLM's / the profile's
+defaults when the twin resolves them (``lorapack.twin.run.resolve_server``: a ``ServerConfig`` with every flag
+set and ``rules`` chosen).
 
 ``VllmRules`` is a named set of behaviour rules; ``rules_for_version`` picks the newest rule set at or below a
 version (a version below the oldest, or one that does not parse, is a one-line ``VersionError`` asking for

@@ -42,11 +42,6 @@ ADAPTER_GRACE_S = 120.0
 NAN = float("nan")
 
 
-# the vLLM flags a run used, after defaults were applied (``twin.run.resolve_server``): a resolved
-# ``ServerConfig``. ``ServerSettings`` is its older name (deprecated alias).
-ServerSettings = ServerConfig
-
-
 @dataclass(frozen=True)
 class RunMetrics:
     """Everything one twin run reports (twin.md §4). ``to_dict()`` gives the ``simulate --json`` keys.
