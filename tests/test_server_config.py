@@ -240,3 +240,24 @@ def test_evaluate_scenarios_carry_the_version() -> None:
     assert load_scenario_profile(sc).vllm_version == "0.8.5"
     prof = load_scenario_profile(dataclasses.replace(sc, vllm_version="0.33.0"))
     assert prof.vllm_version == "0.33.0" and rules_for_version(prof.vllm_version).admission == "running"
+
+
+def test_server_flags_of_a_candidate_and_a_plan_gpu_read_the_server_and_are_read_only(prof) -> None:
+    from lorapack.oracle import GpuCandidate
+    from lorapack.placement.plan import GpuPlan
+    from lorapack.server import ServerFlag
+
+    server = ServerConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=4, max_num_seqs=64,
+                          max_num_batched_tokens=512, max_model_len=1024)
+    cand = GpuCandidate(prof, np.array([8, 16]), np.array([0.1, 0.2]), server)
+    gpu = GpuPlan(adapters=["a", "b"], weights=[1.0, 1.0], server=server)
+    for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens"):
+        assert getattr(cand, name) == getattr(gpu, name) == getattr(server, name)
+    assert gpu.max_model_len == 1024
+    with pytest.raises(AttributeError, match="read-only"):
+        gpu.max_loras = 5
+    with pytest.raises((AttributeError, TypeError)):
+        cand.max_loras = 5
+    with pytest.raises((TypeError, RuntimeError)) as err:  # Python < 3.12 wraps __set_name__'s error
+        type("Bad", (), {"nope": ServerFlag()})
+    assert "not a ServerConfig flag" in str(err.value) + str(err.value.__cause__)

@@ -24,7 +24,7 @@ import numpy as np
 
 from .errors import SpecError
 from .profile import VLLM_LORA_RANKS, Profile
-from .server import ServerConfig, rules_for_version
+from .server import ServerConfig, ServerFlag, rules_for_version
 from .spec import (
     DEFAULT_MEAN_INPUT_TOKENS,
     DEFAULT_MEAN_OUTPUT_TOKENS,
@@ -124,13 +124,6 @@ class GpuCandidate:
             object.__setattr__(self, "server", server.replace(max_loras=int(server.max_loras)))
 
     @classmethod
-    def for_server(cls, profile: Profile, ranks: np.ndarray, rates_rps: np.ndarray, server: ServerConfig,
-                   mean_input_tokens: float | None = None, mean_output_tokens: float | None = None) -> GpuCandidate:
-        """The candidate of a server configured by ``server`` (its flags; the version comes from ``profile``)."""
-        return cls(profile=profile, ranks=ranks, rates_rps=rates_rps, server=server,
-                   mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens)
-
-    @classmethod
     def prevalidated(cls, profile: Profile, ranks: np.ndarray, rates_rps: np.ndarray, max_loras: int,
                      mean_input_tokens: float | None = None, mean_output_tokens: float | None = None
                      ) -> GpuCandidate:
@@ -145,26 +138,12 @@ class GpuCandidate:
             object.__setattr__(self, name, v)
         return self
 
-    # ---- the server's flags (read-only: the candidate's flags are ``server``'s) ----
-    @property
-    def max_loras(self) -> int:
-        return self.server.max_loras
-
-    @property
-    def max_lora_rank(self) -> int | None:
-        return self.server.max_lora_rank
-
-    @property
-    def max_cpu_loras(self) -> int | None:
-        return self.server.max_cpu_loras
-
-    @property
-    def max_num_seqs(self) -> int | None:
-        return self.server.max_num_seqs
-
-    @property
-    def max_num_batched_tokens(self) -> int | None:
-        return self.server.max_num_batched_tokens
+    # the server's flags, read from ``server`` (read-only: replace ``server`` to change them)
+    max_loras = ServerFlag()
+    max_lora_rank = ServerFlag()
+    max_cpu_loras = ServerFlag()
+    max_num_seqs = ServerFlag()
+    max_num_batched_tokens = ServerFlag()
 
     # ---- resolved flags ----
     @property

@@ -191,3 +191,20 @@ class ServerConfig:
                    enable_prefix_caching=self.enable_prefix_caching, vllm_version=self.vllm_version,
                    vllm_rules=None if self.rules is None else self.rules.name)
         return out
+
+
+class ServerFlag:
+    """A read-only attribute of a type that holds a ``server: ServerConfig`` (a placement candidate, a plan's
+    GPU): it reads the flag of the same name from ``server``, so the type keeps the flags in one place and
+    ``cand.max_loras`` still reads naturally. To change a flag, replace ``server``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if name not in FLAG_NAMES:
+            raise TypeError(f"ServerFlag {name!r}: not a ServerConfig flag ({', '.join(FLAG_NAMES)})")
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.server, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise AttributeError(f"{self.name} is read-only: replace the server (a ServerConfig) to change it")

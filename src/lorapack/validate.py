@@ -71,7 +71,7 @@ def row_candidate(row: dict, profile: Profile):
     """The GPU of a real run as an oracle question (the features depend on the multisets, not the order)."""
     from .oracle import GpuCandidate
 
-    return GpuCandidate.for_server(
+    return GpuCandidate(
         profile, np.array(parse_counts(row["rank_counts"], int)), np.array(parse_counts(row["rate_counts"], float)),
         server_flags(row, profile), row_float(row, "mean_input_tokens"), row_float(row, "mean_output_tokens"))
 

@@ -193,7 +193,7 @@ class GpuTask:
     key: tuple
     ranks: np.ndarray
     requests: RequestArrays
-    flags: ServerConfig  # the GPU's flags (``GpuPlan.server_config()``; hashable, part of ``key``)
+    flags: ServerConfig  # the GPU's flags (``GpuPlan.server``; hashable, part of ``key``)
     adapter_ids: tuple[str, ...]
 
 
@@ -246,7 +246,7 @@ def split_plan(plan: Plan, derived: DerivedWorkload, draws: np.ndarray, partial:
         srt = np.lexsort((loc, rep.t_arr_s[rows]))
         rows, loc = rows[srt], loc[srt]
         req = RequestArrays(rep.t_arr_s[rows], loc, rep.prompt_tokens[rows], rep.output_tokens[rows])
-        flags = g.server_config()
+        flags = g.server
         tasks.append(GpuTask(key=(tuple(key), flags), ranks=derived.ranks[[index[a] for a in g.adapters]],
                              requests=req, flags=flags, adapter_ids=tuple(g.adapters)))
     return tasks

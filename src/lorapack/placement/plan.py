@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..server import ServerConfig
+from ..server import ServerConfig, ServerFlag
 
 NAN = float("nan")
 
@@ -76,34 +76,13 @@ class GpuPlan:
             raise ValueError("a GPU plan's server holds only plan.json's flags "
                              f"({', '.join(PLAN_FLAGS)}); the rest are the plan's")
 
-    # ---- the server's flags (read-only: replace ``server`` to change them) ----
-    @property
-    def max_loras(self) -> int:
-        return self.server.max_loras
-
-    @property
-    def max_lora_rank(self) -> int:
-        return self.server.max_lora_rank
-
-    @property
-    def max_cpu_loras(self) -> int:
-        return self.server.max_cpu_loras
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.server.max_num_seqs
-
-    @property
-    def max_num_batched_tokens(self) -> int:
-        return self.server.max_num_batched_tokens
-
-    @property
-    def max_model_len(self) -> int | None:
-        return self.server.max_model_len
-
-    def server_config(self) -> ServerConfig:
-        """This GPU's server (``evaluate`` and ``serve.sh`` go through this)."""
-        return self.server
+    # the server's flags, read from ``server`` (read-only: replace ``server`` to change them)
+    max_loras = ServerFlag()
+    max_lora_rank = ServerFlag()
+    max_cpu_loras = ServerFlag()
+    max_num_seqs = ServerFlag()
+    max_num_batched_tokens = ServerFlag()
+    max_model_len = ServerFlag()
 
     def to_dict(self) -> dict[str, Any]:
         """plan.json's form: the server's flags as flat keys between ``weights`` and ``incoming_tok_s``."""
