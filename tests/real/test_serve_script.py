@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from lorapack.testbed.guard import alive, descendants
-from lorapack.testbed.server import free_port, guarded, server_env, stop_tree
+from lorapack.testbed.server import free_port, guarded, healthy, server_env, stop_tree
 
 pytestmark = pytest.mark.real
 
@@ -76,14 +76,6 @@ def lora_dir(plan: dict, testbed, where: Path) -> Path:
 def get_json(url: str, timeout_s: float = 10.0):
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return json.loads(r.read())
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def run_serve_sh(plan_dir: Path, testbed, tmp: Path):

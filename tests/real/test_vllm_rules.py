@@ -13,8 +13,16 @@ import pytest
 from lorapack.profile import find_profile
 from lorapack.server import ServerConfig
 from lorapack.testbed.env import VLLM_VERSION
-from lorapack.testbed.replay import Arrival, order_agreement, replay, twin_replay
-from lorapack.testbed.staircase import ADAPTERS, DESIGNS, RANKS, run_staircase, server_flags, vllm_args
+from lorapack.testbed.replay import Arrival, replay, twin_replay
+from lorapack.testbed.staircase import (
+    ADAPTERS,
+    DESIGNS,
+    RANKS,
+    compare_with_twin,
+    run_staircase,
+    server_flags,
+    vllm_args,
+)
 
 pytestmark = pytest.mark.real
 
@@ -25,15 +33,6 @@ STAIR_FLAGS = server_flags(2)
 @pytest.fixture(scope="module")
 def llama():
     return find_profile("llama-3.1-8b-instruct")
-
-
-def compare(llama, arrivals, flags: dict, result, duration_s: float = 120.0):
-    """Order agreement of first tokens, server against the twin given the times the client actually sent."""
-    sent = np.array([r.t_sent_s for r in result.records])
-    _, engine = twin_replay(llama, ADAPTERS, RANKS, arrivals, ServerConfig(**flags, vllm_version=VLLM_VERSION), duration_s, sent_s=sent)
-    real_first = np.array([r.t_first_server_s for r in result.records])
-    share, pairs = order_agreement(sent, [a.adapter_id for a in arrivals], real_first, engine.t_first_s)
-    return share, pairs, engine
 
 
 @pytest.mark.parametrize("max_loras", [2, 3])
@@ -70,7 +69,7 @@ def test_max_num_seqs_caps_the_running_batch(servers, llama):
     assert max(running) <= 4
     assert max(s.waiting for s in result.samples) >= 1
     real_first = np.array([r.t_first_server_s for r in result.records])
-    _, _, engine = compare(llama, arrivals, flags, result)
+    _, _, engine = compare_with_twin(llama, flags, arrivals, result)
     assert real_first[:4].max() < real_first[4:].min()
     assert engine.t_first_s[:4].max() < engine.t_first_s[4:].min()
 
@@ -124,7 +123,7 @@ def test_token_budget_goes_to_running_requests_first(servers, llama):
     assert all(r.status == 200 for r in result.records)
     real_first = np.array([r.t_first_server_s for r in result.records])
     sent = np.array([r.t_sent_s for r in result.records])
-    _, engine = twin_replay(llama, ADAPTERS, RANKS, arrivals, ServerConfig(**flags, vllm_version=VLLM_VERSION), 60.0, sent_s=sent)
+    _, _, engine = compare_with_twin(llama, flags, arrivals, result, 60.0)
     tolerance_s = 0.01  # the server-side first-token time carries the API server's few-ms hand-off
     assert np.all(real_first[1:] >= real_first[0] - tolerance_s), (real_first, sent)
     assert np.all(engine.t_first_s[1:] >= engine.t_first_s[0])

@@ -70,21 +70,11 @@ def descendants(root_pid: int) -> list[int]:
 
 def kill_tree(root_pid: int, grace_s: float = GRACE_S, include_root: bool = True) -> None:
     """SIGTERM to the tree under ``root_pid`` (and the root itself), SIGKILL after ``grace_s`` to what is left."""
-    def alive() -> list[int]:
-        pids = descendants(root_pid)
-        if include_root:
-            pids.append(root_pid)
-        out = []
-        for p in pids:
-            try:
-                os.kill(p, 0)
-                out.append(p)
-            except ProcessLookupError:
-                pass
-        return out
+    def tree() -> list[int]:
+        return [p for p in descendants(root_pid) + ([root_pid] if include_root else []) if alive(p)]
 
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        pids = alive()
+        pids = tree()
         if not pids:
             return
         for p in pids:
@@ -93,7 +83,7 @@ def kill_tree(root_pid: int, grace_s: float = GRACE_S, include_root: bool = True
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and alive():
+        while time.monotonic() < deadline and tree():
             _reap()
             time.sleep(0.05)
         _reap()

@@ -88,7 +88,6 @@ def stop_tree(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
 
 def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env.pop("VLLM_USE_V1", None)
     env.update(SERVER_ENV)
     env.update(extra or {})
     return env
@@ -147,18 +146,23 @@ def why_it_failed(log: Path, tail: int = 15) -> list[str]:
     return list(dict.fromkeys(errors[-10:] + lines[-tail:]))
 
 
+def healthy(url: str) -> bool:
+    """Whether the vLLM server at ``url`` answers ``/health`` with 200."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise TestbedError(f"vLLM server exited with {proc.returncode} before it was healthy; log {log}:\n"
                                + "\n".join(why_it_failed(log)))
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
+        if healthy(url):
+            return
         time.sleep(0.5)
     raise TestbedError(f"vLLM server at {url} not healthy after {timeout_s:.0f} s; log {log}")
 

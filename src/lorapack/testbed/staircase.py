@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lorapack.testbed.env import VLLM_VERSION
+from lorapack.testbed.env import VLLM_VERSION, TestbedError
 from lorapack.testbed.replay import Arrival, ReplayResult, order_agreement, replay, twin_replay
 
 ADAPTERS = ("r8-0", "r8-1", "r16-0", "r16-1", "r32-0", "r32-1")
@@ -93,8 +93,6 @@ def run_staircase(url: str, profile, name: str, max_loras: int, attempts: int = 
     """Send design ``name`` to the server at ``url`` (started with ``vllm_args(server_flags(max_loras))`` and the
     six adapters registered in ``ADAPTERS`` order) and compare with the twin; a replay whose client fell more
     than ``MAX_SEND_LAG_S`` behind is run again, up to ``attempts`` times (the last one counts regardless)."""
-    from lorapack.server import ServerConfig
-
     arrivals = design(name)
     planned = np.array([a.t_s for a in arrivals])
     for attempt in range(1, attempts + 1):
@@ -105,10 +103,22 @@ def run_staircase(url: str, profile, name: str, max_loras: int, attempts: int = 
             break
     bad = [(r.index, r.status, r.error) for r in result.records if r.status != 200]
     if bad:
-        raise AssertionError(f"requests failed: {bad[:3]}")
-    flags = ServerConfig(**server_flags(max_loras), vllm_version=VLLM_VERSION)  # the testbed's rules
-    _, engine = twin_replay(profile, ADAPTERS, RANKS, arrivals, flags, 120.0, sent_s=sent)
+        raise TestbedError(f"{len(bad)} staircase request(s) failed on {url}: {bad[:3]}")
+    share, pairs, engine = compare_with_twin(profile, server_flags(max_loras), arrivals, result)
+    return StaircaseRun(name, max_loras, share, pairs, lag, attempt, result, engine.t_first_s)
+
+
+def compare_with_twin(profile, flags: dict[str, int], arrivals: list[Arrival], result: ReplayResult,
+                      duration_s: float = 120.0):
+    """The replayed ``arrivals`` through the twin (the six staircase adapters, ``flags`` under vLLM's names, the
+    testbed's rule set, the client's actual send times): ``(first-token order agreement, pairs, EngineResult)``
+    over the request pairs with different adapters sent at least ``MIN_PAIR_GAP_S`` apart."""
+    from lorapack.server import ServerConfig
+
+    sent = np.array([r.t_sent_s for r in result.records])
+    server = ServerConfig(**flags, vllm_version=VLLM_VERSION)  # the testbed's rules
+    _, engine = twin_replay(profile, ADAPTERS, RANKS, arrivals, server, duration_s, sent_s=sent)
     real_first = np.array([r.t_first_server_s for r in result.records])
     share, pairs = order_agreement(sent, [a.adapter_id for a in arrivals], real_first, engine.t_first_s,
                                    MIN_PAIR_GAP_S)
-    return StaircaseRun(name, max_loras, share, pairs, lag, attempt, result, engine.t_first_s)
+    return share, pairs, engine
