@@ -118,13 +118,17 @@ def test_token_budget_goes_to_running_requests_first(servers, llama):
     long prompt's last chunk. On the server as in the twin, none gets its first token before the long one."""
     flags = dict(STAIR_FLAGS, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=4096)
     server = servers.get(ADAPTERS, vllm_args(flags))
-    arrivals = [Arrival(0.0, "r8-0", 3000, 4)] + [Arrival(0.05 * (i + 1), "r8-0", 8, 4) for i in range(5)]
+    arrivals = [Arrival(0.0, "r8-0", 3000, 4)] + [Arrival(0.2 + 0.05 * i, "r8-0", 8, 4) for i in range(5)]
     result = replay(server.url, arrivals, stream=False)
     assert all(r.status == 200 for r in result.records)
     real_first = np.array([r.t_first_server_s for r in result.records])
     sent = np.array([r.t_sent_s for r in result.records])
     _, _, engine = compare_with_twin(llama, flags, arrivals, result, 60.0)
-    tolerance_s = 0.01  # the server-side first-token time carries the API server's few-ms hand-off
+    # The server-side first-token time is the send time plus the engine's queued -> first-token interval: it
+    # misses the API server's hand-off, tens of ms when busy (CI saw a short request estimated 21 ms before the
+    # long one it could not precede). The short requests are sent from 0.2 s, once the long one is surely in
+    # the engine, and its prefill lasts about 0.8 s here: a request admitted during it would be ~0.5 s early.
+    tolerance_s = 0.05
     assert np.all(real_first[1:] >= real_first[0] - tolerance_s), (real_first, sent)
     assert np.all(engine.t_first_s[1:] >= engine.t_first_s[0])
 
