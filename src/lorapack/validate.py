@@ -7,11 +7,13 @@ the predictions is ``lorapack.realruns`` (shared with the calibration's refineme
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from .benchjson import BenchOptions, read_run_files, runs_label
 from .checks import check_limit, check_workers
 from .errors import DataError, LorapackError, ProfileError, SpecError
 from .guards import Limits, check, profile_step_coef
@@ -24,7 +26,6 @@ from .realruns import (
     check_row,
     compare_runs,
     parse_counts,
-    read_runs,
     row_float,
     score_runs,
     server_flags,
@@ -122,10 +123,11 @@ def macro_f1(confusion: dict[str, int]) -> float:
     return (f1(tp, fp, fn) + f1(tn, fn, fp)) / 2
 
 
-def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb", lengths: str = "lognormal",
-                   workers: int = 0, limit: int | None = None, progress: bool = True,
+def run_validation(runs_path: str | Path | Sequence[str | Path], seeds: int = 1, gpu: str = "h100-64gb",
+                   lengths: str = "lognormal", workers: int = 0, limit: int | None = None, progress: bool = True,
                    limits: Limits | None = None, profile: Profile | None = None, engine: str = "twin",
-                   models_dir: str | Path | None = None) -> dict:
+                   models_dir: str | Path | None = None, bench: BenchOptions | None = None,
+                   log: Callable[[str], None] | None = None) -> dict:
     """Simulate every row (x seeds) and compare. Returns ``{"models": {...}, "rows": {column: list},
     "skipped": [{"run_id", "model", "reason"}]}``: per model the row counts (``skip_reasons`` counts the
     skipped rows by reason) plus ``realruns.score_runs``; per row ``realruns.VALIDATE_COLUMNS``; ``"pooled"``:
@@ -136,7 +138,11 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
     ``limits``) before any simulation starts; a file none of whose rows can be scored is a ``DataError``.
 
     ``engine`` "surrogate" or "tree" asks the learned oracle (``models_dir``, default: the shipped models)
-    instead of simulating; every model's scores then add ``n_out_of_range``. All engines add ``starved_f1``."""
+    instead of simulating; every model's scores then add ``n_out_of_range``. All engines add ``starved_f1``.
+
+    ``runs_path``: a runs CSV, or several files, among them ``vllm bench serve`` result JSONs (``.json``,
+    ``lorapack.benchjson``): ``bench`` holds the server flags and adapter ranks those files do not record,
+    ``log`` receives their notices (e.g. the uniform adapter draw), also returned as ``"notes"``."""
     if engine not in ENGINES:
         raise SpecError(f"--engine {engine}: expected one of {', '.join(ENGINES)}")
     if models_dir is not None and engine == "twin":
@@ -147,16 +153,26 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
         raise SpecError(f"--lengths {lengths}: expected fixed or lognormal")
     check_limit(limit)
     check_workers(workers)
-    rows = read_runs(runs_path)
+    notes: list[str] = []
+
+    def note(msg: str) -> None:
+        notes.append(msg)
+        if log is not None:
+            log(msg)
+
+    if profile is not None and (bench is None or bench.model is None):  # a JSON run of an unknown model_id
+        bench = dataclasses.replace(bench or BenchOptions(), model=profile.model)
+    rows, sources = read_run_files(runs_path, bench, note)
+    label = runs_label(runs_path)
     if limit is not None:
-        rows = rows[:limit]
+        rows, sources = rows[:limit], sources[:limit]
     profiles, no_profile = _profiles(gpu, profile)
     preds: dict[int, RunPrediction] = {}
     skipped: dict[int, str] = {}  # row -> why it is not scored (reported, never silent)
     todo = []
     for i, r in enumerate(rows):
         r["model"] = (r.get("model") or "").strip()
-        where = f"{runs_path}: row {i + 1} (run {r.get('run_id')})"
+        where = f"{sources[i]} (run {r.get('run_id')})"
         if r["model"] not in profiles:
             skipped[i] = f"model '{r['model']}': {no_profile}"
             continue
@@ -184,7 +200,7 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
         skipped.update(no_model)
         todo = []
     if rows and len(skipped) == len(rows):
-        raise DataError(f"{runs_path}: none of its {len(rows)} run(s) can be scored: "
+        raise DataError(f"{label}: none of its {len(rows)} run(s) can be scored: "
                         f"{'; '.join(sorted(set(skipped.values())))}")
 
     from .executor import Executor
@@ -227,4 +243,4 @@ def run_validation(runs_path: str | Path, seeds: int = 1, gpu: str = "h100-64gb"
     return {"engine": engine, "models": summary, "pooled": pooled,
             "rows": {c: [getattr(t, c) for t in table] for c in VALIDATE_COLUMNS},
             "skipped": [{"run_id": rows[i].get("run_id"), "model": rows[i]["model"], "reason": why}
-                        for i, why in sorted(skipped.items())]}
+                        for i, why in sorted(skipped.items())], "notes": notes}

@@ -13,6 +13,7 @@ Every input problem raises a ``DataError`` (one line, exit code 2 in the CLI) be
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..benchjson import BenchOptions, is_bench_json
 from ..checks import check_output_dir, check_output_file
 from ..errors import DataError
 from ..profile import FrontendModel, Priors, Profile, save_profile
@@ -62,27 +64,50 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def load_runs(path: Path, model: str) -> list[dict]:
-    """The rows of ``model`` in a runs CSV, checked for what the refinement needs (DataError otherwise)."""
-    from ..realruns import check_row, read_runs
+def load_runs(path: Path | Sequence[Path], model: str, bench: BenchOptions | None = None,
+              log: Callable[[str], None] | None = None) -> list[dict]:
+    """The rows of ``model`` in a runs CSV, or in several runs files (CSVs and/or ``vllm bench serve`` result
+    JSONs, ``lorapack.benchjson``; ``bench`` holds what those do not record), checked for what the refinement
+    needs (DataError otherwise). A JSON run of another model is an error (a CSV's are skipped)."""
+    from ..benchjson import check_options_used, read_runs_file, runs_label
+    from ..realruns import check_row
 
-    rows = read_runs(path)
-    cols = set(rows[0]) if rows else set()
-    missing = [c for c in RUNS_MEASURED if c not in cols]
-    if missing:
-        raise DataError(f"{path}: missing column(s) {', '.join(missing)}; expected the real-runs schema "
-                        f"(shared/data/README.md §4)")
-    mine = [r for r in rows if (r.get("model") or "").strip() == model]
+    paths = [path] if isinstance(path, str | Path) else list(path)
+    label = runs_label(path)
+    check_options_used(paths, bench)
+    if bench is not None and bench.model is None:
+        bench = dataclasses.replace(bench, model=model)
+    mine: list[dict] = []
     ok = []
-    for line, r in enumerate(rows, start=2):
-        if (r.get("model") or "").strip() != model:
-            continue
-        check_row(r, f"{path}:{line}", measured=RUNS_MEASURED, need_counts=True)
-        if (r.get("status") or "").strip() == "ok":
-            ok.append(r)
+    for p in paths:
+        rows = read_runs_file(p, bench, log)
+        cols = set(rows[0]) if rows else set()
+        missing = [c for c in RUNS_MEASURED if c not in cols]
+        if missing:
+            raise DataError(f"{p}: missing column(s) {', '.join(missing)}; expected the real-runs schema "
+                            f"(shared/data/README.md §4)")
+        json_file = is_bench_json(p)
+        for line, r in enumerate(rows, start=2):
+            where = (r.get("source") or str(p)) if json_file else f"{p}:{line}"
+            if (r.get("model") or "").strip() != model:
+                if json_file:
+                    raise DataError(f"{where}: a run of model {r.get('model')!r}, not of --model {model} (give "
+                                    f"--metadata model=KEY if its model_id is not a known Hugging Face id)")
+                continue
+            check_row(r, where, measured=RUNS_MEASURED, need_counts=True)
+            mine.append(r)
+            if (r.get("status") or "").strip() == "ok":
+                ok.append(r)
     if len(ok) < MIN_OK_RUNS:
-        raise DataError(f"{path}: {len(ok)} ok run(s) of {model}, need at least {MIN_OK_RUNS} to refine")
+        raise DataError(f"{label}: {len(ok)} ok run(s) of {model}, need at least {MIN_OK_RUNS} to refine")
     return mine
+
+
+def _runs_digest(paths: Sequence[Path]) -> tuple[str, str | dict[str, str]]:
+    """The runs files' names and SHA-256 for the provenance: one file as before, several as a mapping."""
+    if len(paths) == 1:
+        return paths[0].name, _sha256(paths[0])
+    return ", ".join(p.name for p in paths), {str(p): _sha256(p) for p in paths}
 
 
 def _stage_rows(rows: list[dict], stride: int) -> list[dict]:
@@ -202,13 +227,18 @@ def fit_frontend(table: Sequence[RunComparison], max_ttft_ms: float = FRONTEND_M
 
 
 def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_version: str = "0.8.5",
-              runs: str | Path | None = None, out: str | Path | None = None, report: str | Path | None = None,
+              runs: str | Path | Sequence[str | Path] | None = None, out: str | Path | None = None,
+              report: str | Path | None = None,
               seeds: int = 1, lengths: str = "lognormal", workers: int = 0,
               max_evals: tuple[int, int] = DEFAULT_MAX_EVALS, free: Sequence[str] = DEFAULT_FREE,
               max_model_len: int | None = None, max_wall_s: float = DEFAULT_MAX_WALL_S,
               start: Profile | None = None, itl_weight: float = 1.0, group_weight: float = GROUP_BIAS_WEIGHT,
-              log: Callable[[str], None] | None = None) -> dict:
+              log: Callable[[str], None] | None = None, bench: BenchOptions | None = None) -> dict:
     """The whole ``lorapack calibrate`` procedure; returns a summary (also recorded in the profile).
+
+    ``runs``: a runs CSV, or several runs files among which ``vllm bench serve`` result JSONs (``bench``: the
+    server flags and adapter ranks they do not record, ``lorapack.benchjson``). The priors' LoRA fit reads
+    the gauges of a single runs CSV; JSON runs have none, so with them it uses the profiling data only.
 
     ``start``: a profile whose step-time constants (the free ones) start the refinement instead of the priors,
     e.g. the shipped profile when re-fitting after a change of the model; the priors stay the regularisation.
@@ -229,9 +259,15 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
     check_output_file(out_path, "--out")
     if report is not None:
         check_output_dir(report, "--report")
-    rows = load_runs(Path(runs), model) if runs is not None else None
+    run_paths = None if runs is None else [Path(p) for p in ([runs] if isinstance(runs, str | Path) else runs)]
+    rows = load_runs(run_paths, model, bench, log) if run_paths else None
+    # the priors' additive LoRA fit reads the gauges (running_mean, waiting_max) of a runs CSV
+    priors_csv = run_paths[0] if run_paths and len(run_paths) == 1 and not is_bench_json(run_paths[0]) else None
+    if run_paths and priors_csv is None and log:
+        log(f"{model}: the runs are not one runs CSV (no running/waiting gauges): the priors' LoRA fit uses the "
+            f"profiling data only")
 
-    prior = fit_priors_from(profiling, runs, model, gpu=gpu, vllm_version=vllm_version,
+    prior = fit_priors_from(profiling, priors_csv, model, gpu=gpu, vllm_version=vllm_version,
                             max_model_len=max_model_len)
     prov: dict[str, Any] = dict(prior.provenance)
     prov["generated_by"] = "lorapack calibrate (lorapack.calibrate.command.calibrate)"
@@ -264,7 +300,8 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
         guard_ids = {r["run_id"] for r in guard_subset(rows)}
         guard = [c for c in table if c.run_id in guard_ids]
         s_guard = score_runs([r for r in rows if r["run_id"] in guard_ids], [c.prediction for c in guard])
-        prov["validation"] = plain_scalars({"runs": Path(runs).name, "runs_sha256": _sha256(Path(runs)),
+        runs_name, runs_sha = _runs_digest(run_paths or [])
+        prov["validation"] = plain_scalars({"runs": runs_name, "runs_sha256": runs_sha,
                                       "seeds": seeds, "lengths": lengths,
                                       "scores_note": "SMAPE without the factor 2 (paper convention); *_2x with it; "
                                                      "TTFT = completed-only mean; agreement = share of labels; "

@@ -10,8 +10,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from ..benchjson import BenchOptions
 from ..calibrate.refine import DEFAULT_FREE, GROUP_BIAS_WEIGHT
 from .common import check_workers, console, err_console, fmt, print_json
+from .validate import BenchAdapterRanks, BenchMaxCpuLoras, BenchMaxLoraRank, BenchMaxLoras
 
 
 def calibrate(
@@ -19,8 +21,9 @@ def calibrate(
                                             "shared/data/profiling (see its README for the columns).")],
     model: Annotated[str, typer.Option("--model", "-m", help="Model key, e.g. llama-3.1-8b-instruct.")],
     gpu: Annotated[str, typer.Option("--gpu", help="GPU key recorded in the profile.")] = "h100-64gb",
-    runs: Annotated[Path | None, typer.Option("--runs", help="End-to-end runs CSV (schema of shared/data/"
-                                              "real-runs/calibration.csv): refine the step-time constants.")] = None,
+    runs: Annotated[list[Path] | None, typer.Option("--runs", metavar="<path>", help=(
+        "End-to-end runs: a runs CSV (schema of real-runs/calibration.csv) or vllm bench serve result JSON "
+        "files (repeat --runs; docs/bench-json.md): refine the step-time constants."))] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Profile YAML to write (default: "
                                              "<gpu>__vllm-<version>__<model>.yaml here).")] = None,
     report: Annotated[Path | None, typer.Option("--report", help="Write PNG fit-report plots here.")] = None,
@@ -49,6 +52,10 @@ def calibrate(
                                                 "throughput error (times sqrt(runs in the group); 0 = off).")
                             ] = GROUP_BIAS_WEIGHT,
     workers: Annotated[int, typer.Option(help="Parallel processes (0 = all cores).")] = 0,
+    max_loras: BenchMaxLoras = None,
+    max_lora_rank: BenchMaxLoraRank = None,
+    max_cpu_loras: BenchMaxCpuLoras = None,
+    adapter_ranks: BenchAdapterRanks = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
     """Fit a profile from profiling data (closed-form priors), refine it against real runs, write it."""
@@ -72,11 +79,17 @@ def calibrate(
 
         start_profile = load_profile_file(start)
     log = None if json_out else (lambda s: err_console.print(f"[dim]{s}[/dim]", highlight=False))
+    bench = BenchOptions(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+                         adapter_ranks=adapter_ranks, model=model)
+    runs = runs or None  # typer gives [] for a list option not used
+    if runs is None and bench.given_flags():
+        raise DataError(f"{', '.join(bench.given_flags())}: these describe vllm bench serve JSON runs; give "
+                        f"them with --runs FILE.json")
     summary = run_calibration(profiling, model, gpu=gpu, vllm_version=vllm_version, runs=runs, out=out, report=report,
                         seeds=seeds, lengths=lengths, workers=workers, max_evals=evals,  # type: ignore[arg-type]
                         free=[f.strip() for f in free.split(",") if f.strip()], max_model_len=max_model_len,
                         max_wall_s=max_minutes * 60.0, start=start_profile, itl_weight=itl_weight,
-                        group_weight=group_weight, log=log)
+                        group_weight=group_weight, log=log, bench=bench)
     ref = summary.get("refinement")
     if ref is not None and not ref.get("refined", True):
         err_console.print("[yellow]warning:[/yellow] the refinement changed no constant: the 'refined' values "

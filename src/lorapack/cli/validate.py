@@ -6,8 +6,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
+from ..benchjson import BenchOptions
 from ..errors import SpecError
 from .common import (
     DEFAULT_GPU,
@@ -18,11 +20,32 @@ from .common import (
     check_output_file,
     check_workers,
     console,
+    err_console,
     fmt,
     limits,
     print_json,
     write_csv_atomic,
 )
+
+# server flags and adapters of vllm bench serve JSON runs (what the result file does not record); the same
+# options on `validate` and `calibrate`
+_JSON = "JSON runs: "
+BenchMaxLoras = Annotated[int | None, typer.Option(
+    "--max-loras", help=_JSON + "the server's --max-loras (else --metadata max_loras=A).", show_default=False)]
+BenchMaxLoraRank = Annotated[int | None, typer.Option(
+    "--max-lora-rank", help=_JSON + "the server's --max-lora-rank (else --metadata max_lora_rank=S).",
+    show_default=False)]
+BenchMaxCpuLoras = Annotated[int | None, typer.Option(
+    "--max-cpu-loras", help=_JSON + "the server's --max-cpu-loras (default: vLLM's, = --max-loras).",
+    show_default=False)]
+BenchMaxNumSeqs = Annotated[int | None, typer.Option(
+    "--max-num-seqs", help=_JSON + "the server's --max-num-seqs (default: the profile's).", show_default=False)]
+BenchMaxNumBatchedTokens = Annotated[int | None, typer.Option(
+    "--max-num-batched-tokens", help=_JSON + "the server's --max-num-batched-tokens (default: the profile's).",
+    show_default=False)]
+BenchAdapterRanks = Annotated[str | None, typer.Option(
+    "--adapter-ranks", help=_JSON + "ranks of the adapters of --lora-modules as rank:count pairs, e.g. "
+                            "'8:4 16:4' (else --metadata lora_ranks=...).", show_default=False)]
 
 
 def _nested(scores: dict, keys: tuple):
@@ -34,7 +57,9 @@ def _nested(scores: dict, keys: tuple):
 
 
 def validate(
-    runs: Annotated[Path, typer.Argument(help="Real runs CSV (schema of shared/data/real-runs/*.csv).")],
+    runs: Annotated[list[Path], typer.Argument(
+        help="Real runs: a CSV (schema of shared/data/real-runs/*.csv) and/or vllm bench serve result "
+             "JSON files (docs/bench-json.md).", show_default=False)],
     seeds: Annotated[int, typer.Option(help="Seeds per run; metrics are averaged.")] = 1,
     gpu: GpuOpt = None,
     profile: Annotated[Path | None, typer.Option(
@@ -47,6 +72,12 @@ def validate(
     engine: Annotated[str, typer.Option(help="Who predicts: twin (simulation) | surrogate | tree (learned).")] = "twin",
     models: Annotated[Path | None, typer.Option("--models", help="Model directory for --engine surrogate/tree "
                                                                  "(default: the shipped models).")] = None,
+    max_loras: BenchMaxLoras = None,
+    max_lora_rank: BenchMaxLoraRank = None,
+    max_cpu_loras: BenchMaxCpuLoras = None,
+    max_num_seqs: BenchMaxNumSeqs = None,
+    max_num_batched_tokens: BenchMaxNumBatchedTokens = None,
+    adapter_ranks: BenchAdapterRanks = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -66,18 +97,24 @@ def validate(
         from ..profile import load_profile_file
 
         prof = load_profile_file(profile)
+    bench = BenchOptions(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         adapter_ranks=adapter_ranks)
+    log = None if json_out else (lambda s: err_console.print(f"[dim]{escape(s)}[/dim]", highlight=False))
     report = run_validation(runs, seeds=seeds, gpu=gpu or DEFAULT_GPU, lengths=lengths, workers=workers,
                             limit=limit, progress=not json_out, limits=limits(force), profile=prof, engine=engine,
-                            models_dir=models)
+                            models_dir=models, bench=bench, log=log)
     if out is not None:
         write_csv_atomic(out, report["rows"])
     if json_out:
         print_json({"models": report["models"], "skipped": report["skipped"],
-                    **({"pooled": report["pooled"]} if report["pooled"] else {})})
+                    **({"pooled": report["pooled"]} if report["pooled"] else {}),
+                    **({"notes": report["notes"]} if report.get("notes") else {})})
         return
     # one column per model, one row per score: fits 80 columns for the usual one to three models
     how = f"{seeds} seed(s), {lengths} lengths" if engine == "twin" else f"{engine} models, no simulation"
-    t = Table(title=f"{engine} vs real runs: {runs.name}\n({how}"
+    names = runs[0].name if len(runs) == 1 else f"{len(runs)} files"
+    t = Table(title=f"{engine} vs real runs: {names}\n({how}"
                     f"{f', --profile {profile.name}' if profile is not None else ''})", title_justify="left")
     t.add_column("")
     models = report["models"]
