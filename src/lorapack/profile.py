@@ -24,7 +24,8 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 # Profile fields added after profiles were shipped, at the value every shipped profile was measured with: left
 # out of ``Profile.file_hash`` and of the twin fingerprint (``fingerprint.NEUTRAL_PROFILE``) at that value
-NEUTRAL_FIELDS = {"measured_gpu_memory_utilization": 0.9, "measured_prefix_caching": False}
+NEUTRAL_FIELDS = {"measured_gpu_memory_utilization": 0.9, "measured_prefix_caching": False, "device": None,
+                  "tensor_parallel_size": 1}
 
 
 class _Frozen(BaseModel):
@@ -165,6 +166,10 @@ class Profile(_Frozen):
     # profiles. Neutral values (``fingerprint.NEUTRAL_PROFILE``): profiles fitted before keep their fingerprint.
     measured_gpu_memory_utilization: float = 0.9
     measured_prefix_caching: bool = False
+    # what ``lorapack measure`` saw of the server: the device (vLLM's device_config, or the user's label) and the
+    # tensor-parallel size: a TP server is one "GPU" of a plan that takes this many devices (``serve.sh``)
+    device: str | None = None
+    tensor_parallel_size: int = Field(default=1, ge=1)
     provenance: dict = Field(default_factory=dict)
 
     # ---- memory and the start-up rule (twin.md §3.4) ----

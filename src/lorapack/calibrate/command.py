@@ -51,6 +51,8 @@ RUNS_OPTIONAL = ("ttft_mean_ms", "throughput_ratio", "starved")
 MIN_OK_RUNS = 3
 # the refinement's two stages: a search on every SUBSET_STRIDE-th run, then a polish on all runs
 SUBSET_STRIDE = 3
+# a measured profile: c0, c1 come from the decode ladder; one slot rank (no gamma), the runs' length law known
+MEASURED_FREE = ("e0", "e1", "e1p", "e2", "e3", "a3", "p1")
 DEFAULT_MAX_EVALS = (40, 20)  # least-squares evaluations of the two stages (each adds a Jacobian)
 DEFAULT_MAX_WALL_S = 900.0  # per model, both stages: a tolerance normally ends the fit well before
 FRONTEND_MAX_TTFT_MS = 1000.0  # runs whose real mean TTFT is below this one fit the TTFT overhead
@@ -226,7 +228,7 @@ def fit_frontend(table: Sequence[RunComparison], max_ttft_ms: float = FRONTEND_M
         "iqr_ms": [float(np.percentile(d, 25)), float(np.percentile(d, 75))] if d else None}
 
 
-def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_version: str = "0.8.5",
+def calibrate(profiling: str | Path, model: str | None = None, gpu: str | None = None, vllm_version: str | None = None,
               runs: str | Path | Sequence[str | Path] | None = None, out: str | Path | None = None,
               report: str | Path | None = None,
               seeds: int = 1, lengths: str = "lognormal", workers: int = 0,
@@ -242,8 +244,35 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
 
     ``start``: a profile whose step-time constants (the free ones) start the refinement instead of the priors,
     e.g. the shipped profile when re-fitting after a change of the model; the priors stay the regularisation.
-    ``itl_weight``, ``group_weight``: weights of the ITL and group-bias residuals of the refinement."""
+    ``itl_weight``, ``group_weight``: weights of the ITL and group-bias residuals of the refinement.
+
+    ``profiling`` is a research profiling directory (``shared/data/profiling`` layout: ``model`` needed, ``gpu``
+    and ``vllm_version`` default to h100-64gb and 0.8.5) or a measurement directory of ``lorapack measure``
+    (``measure.json``: model, device and version come from the server; ``model``/``gpu`` rename them; the
+    default free constants are ``MEASURED_FREE``)."""
+    from ..measure.fit import fit_measured, is_measure_dir, lora_anchors
+
     profiling = Path(profiling)
+    measured = is_measure_dir(profiling)
+    rename = None
+    if measured:
+        measured_prior = fit_measured(profiling, gpu=gpu)
+        if vllm_version is not None and vllm_version != measured_prior.vllm_version:
+            raise DataError(f"--vllm-version {vllm_version}: the measured server runs vLLM "
+                            f"{measured_prior.vllm_version} (the profile records what was measured)")
+        if report is not None:
+            raise DataError(f"--report {report}: the fit-report plots read the research profiling format; a "
+                            "measurement directory has its fits in the profile's provenance")
+        rename = model if model is not None and model != measured_prior.model else None
+        model, gpu, vllm_version = measured_prior.model, measured_prior.gpu, measured_prior.vllm_version
+        if list(free) == list(DEFAULT_FREE):
+            free = MEASURED_FREE
+    else:
+        if model is None:
+            raise DataError(f"--profiling {profiling}: a research profiling directory needs --model (a "
+                            "measurement directory of lorapack measure names its own)")
+        gpu = gpu or "h100-64gb"
+        vllm_version = vllm_version or "0.8.5"
     if seeds < 1:
         raise DataError(f"--seeds {seeds}: expected an integer >= 1")
     if lengths not in ("fixed", "lognormal"):
@@ -254,7 +283,7 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
     bad = [n for n in free if n not in FREE_PARAMS]
     if bad:
         raise DataError(f"--free {','.join(bad)}: unknown; expected names among {', '.join(FREE_PARAMS)}")
-    out_path = Path(out) if out is not None else Path.cwd() / default_profile_name(model, gpu, vllm_version)
+    out_path = Path(out) if out is not None else Path.cwd() / default_profile_name(rename or model, gpu, vllm_version)
     # outputs are checked before the (long) fits: a bad path is an error now, not after the work
     check_output_file(out_path, "--out")
     if report is not None:
@@ -267,21 +296,24 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
         log(f"{model}: the runs are not one runs CSV (no running/waiting gauges): the priors' LoRA fit uses the "
             f"profiling data only")
 
-    prior = fit_priors_from(profiling, priors_csv, model, gpu=gpu, vllm_version=vllm_version,
-                            max_model_len=max_model_len)
+    if measured:
+        prior = measured_prior
+    else:
+        prior = fit_priors_from(profiling, priors_csv, model, gpu=gpu, vllm_version=vllm_version,
+                                max_model_len=max_model_len)
     prov: dict[str, Any] = dict(prior.provenance)
     prov["generated_by"] = "lorapack calibrate (lorapack.calibrate.command.calibrate)"
     prov["stage"] = "priors (twin.md section 3.5 step 1)"
     prov["date"] = datetime.now(UTC).replace(microsecond=0).isoformat()
     prov["lorapack_version"] = __version__
-    summary: dict[str, Any] = {"model": model, "gpu": gpu, "vllm_version": vllm_version, "profile": str(out_path),
+    summary: dict[str, Any] = {"model": rename or model, "gpu": gpu, "vllm_version": vllm_version, "profile": str(out_path),
                                "fits": _fit_summary(prov.get("fits", {}))}
     prof = prior
     table: list[RunComparison] = []
     table_prior: list[RunComparison] = []
     if rows is not None:
         seed_list = list(range(seeds))
-        anchors = lora_overhead_points(profiling, model)
+        anchors = lora_anchors(profiling) if measured else lora_overhead_points(profiling, model)
         begin = None
         if start is not None:
             begin = with_values(prior, {n: param_value(n, start) for n in free})
@@ -313,7 +345,8 @@ def calibrate(profiling: str | Path, model: str, gpu: str = "h100-64gb", vllm_ve
                                                 "scores": s_guard}})
         summary["refinement"] = p_ref
         summary["validation"] = prov["validation"]
-    final = prof.model_copy(update={"priors": Priors(steptime=prior.steptime), "provenance": plain_scalars(prov)})
+    final = prof.model_copy(update={"priors": Priors(steptime=prior.steptime), "provenance": plain_scalars(prov),
+                                    **({"model": rename} if rename else {})})
     Profile.model_validate(final.model_dump(mode="json"))  # what is written must load back
     if report is not None:
         from .report import write_report

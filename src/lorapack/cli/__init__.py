@@ -22,6 +22,7 @@ from . import (
     demo,
     evaluate,
     explain,
+    measure,
     place,
     profiles,
     refine_trees,
@@ -52,7 +53,8 @@ def _command(name: str, fn: Callable[..., None]) -> None:
 
 
 for _name, _fn in (("simulate", simulate.simulate), ("validate", validate.validate), ("profiles", profiles.profiles),
-                   ("demo", demo.demo), ("sweep", sweep.sweep), ("calibrate", calibrate.calibrate),
+                   ("demo", demo.demo), ("sweep", sweep.sweep), ("measure", measure.measure),
+                   ("calibrate", calibrate.calibrate),
                    ("train", train.train), ("refine", refine_trees.refine), ("explain", explain.explain),
                    ("place", place.place), ("evaluate", evaluate.evaluate)):
     _command(_name, _fn)

@@ -17,18 +17,22 @@ from .validate import BenchAdapterRanks, BenchMaxCpuLoras, BenchMaxLoraRank, Ben
 
 
 def calibrate(
-    profiling: Annotated[Path, typer.Option("--profiling", help="Profiling directory, laid out like "
-                                            "shared/data/profiling (see its README for the columns).")],
-    model: Annotated[str, typer.Option("--model", "-m", help="Model key, e.g. llama-3.1-8b-instruct.")],
-    gpu: Annotated[str, typer.Option("--gpu", help="GPU key recorded in the profile.")] = "h100-64gb",
+    profiling: Annotated[Path, typer.Option("--profiling", help="A measurement directory of lorapack measure, "
+                                            "or a profiling directory laid out like shared/data/profiling (see "
+                                            "its README for the columns).")],
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model key, e.g. llama-3.1-8b-instruct "
+                                              "(a measurement directory names its own).")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="GPU key recorded in the profile (default: h100-64gb; "
+                                            "a measurement: its device).")] = None,
     runs: Annotated[list[Path] | None, typer.Option("--runs", metavar="<path>", help=(
         "End-to-end runs: a runs CSV (schema of real-runs/calibration.csv) or vllm bench serve result JSON "
         "files (repeat --runs; docs/bench-json.md): refine the step-time constants."))] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Profile YAML to write (default: "
                                              "<gpu>__vllm-<version>__<model>.yaml here).")] = None,
     report: Annotated[Path | None, typer.Option("--report", help="Write PNG fit-report plots here.")] = None,
-    vllm_version: Annotated[str, typer.Option("--vllm-version", help="vLLM version recorded in the profile.")
-                            ] = "0.8.5",
+    vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="vLLM version recorded in the "
+                                                     "profile (default: 0.8.5; a measurement: the server's).")
+                            ] = None,
     max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="Server context limit (needed for "
                                                       "models lorapack does not know).")] = None,
     seeds: Annotated[int, typer.Option(help="Seeds per run in the refinement and validation.")] = 1,
@@ -100,7 +104,7 @@ def calibrate(
     if json_out:
         print_json(summary)
         return
-    render_calibration(summary, model, gpu)
+    render_calibration(summary, summary["model"], summary["gpu"])
     if summary.get("report"):
         console.print(f"report: {len(summary['report'])} plots in {report}", markup=False)
     console.print(f"wrote {summary['profile']}", markup=False)

@@ -57,6 +57,7 @@ class RequestRecord:
     # scheduled -> first token; NaN when the server does not send them
     queue_ms: float = float("nan")
     engine_ttft_ms: float = float("nan")
+    engine_itl_ms: float = float("nan")  # the engine's mean inter-token interval of this request
 
     @property
     def ttft_s(self) -> float:
@@ -130,6 +131,8 @@ def _record_engine_metrics(rec: RequestRecord, engine: dict | None) -> None:
     if engine.get("queue_time_ms") is not None and engine.get("time_to_first_token_ms") is not None:
         rec.queue_ms = float(engine["queue_time_ms"])
         rec.engine_ttft_ms = float(engine["time_to_first_token_ms"])
+    if engine.get("mean_itl_ms") is not None:
+        rec.engine_itl_ms = float(engine["mean_itl_ms"])
 
 
 def _error_message(raw: str) -> str:
@@ -139,7 +142,7 @@ def _error_message(raw: str) -> str:
         return raw
 
 
-async def _send(session, url: str, model: str, arrival: Arrival, rec: RequestRecord, t0: float, seed: int,
+async def send_request(session, url: str, model: str, arrival: Arrival, rec: RequestRecord, t0: float, seed: int,
                 extra: dict | None, stream: bool) -> None:
     await asyncio.sleep(max(0.0, t0 + arrival.t_s - time.monotonic()))
     body = {"model": arrival.adapter_id or model, "prompt": prompt_ids(rec.index, arrival.prompt_tokens, seed),
@@ -197,10 +200,15 @@ def _scrape(url: str, t0: float, samples: list[MetricsSample], stop: threading.E
 
 async def replay_async(url: str, arrivals: Sequence[Arrival], model: str = "", seed: int = 0,
                        scrape_every_s: float = 1.0, timeout_s: float = 600.0,
-                       extra_body: dict | None = None, stream: bool = True) -> ReplayResult:
+                       extra_body: dict | None = None, stream: bool = True, window_s: float | None = None,
+                       headers: dict[str, str] | None = None) -> ReplayResult:
     """Send ``arrivals`` (see the module's docstring). ``stream=False``: one answer per request, no per-token
     record (``t_first_s`` and ``gaps_s`` stay empty; ``t_first_server_s`` comes from the engine's metrics): the
-    client then needs almost no CPU, which keeps its send times exact on a busy 2-core machine."""
+    client then needs almost no CPU, which keeps its send times exact on a busy 2-core machine.
+
+    ``window_s``: at this time after the start, requests still open are cancelled (the server aborts them when
+    the connection closes) and the replay returns what it has, as a benchmark with a time window does.
+    ``headers``: sent with every request (e.g. ``Authorization``)."""
     import aiohttp
     import prometheus_client.parser  # noqa: F401 - imported now, not in the scraper's first pass
 
@@ -210,17 +218,21 @@ async def replay_async(url: str, arrivals: Sequence[Arrival], model: str = "", s
     # aiohttp, not httpx: httpx's connection set-up (anyio connect_tcp) held the event loop for up to 1.7 s at
     # a time on a busy 2-core machine, delaying sends; aiohttp kept them within a few ms (docs/testbed.md)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     headers=headers or {}) as session:
         if not model:
             async with session.get(url + "/v1/models") as r:
                 model = (await r.json())["data"][0]["id"]  # the base model is listed first
         t0 = time.monotonic()
         scraper = threading.Thread(target=_scrape, args=(url, t0, samples, stop, scrape_every_s), daemon=True)
         scraper.start()
-        sends = [asyncio.create_task(_send(session, url, model, a, rec, t0, seed, extra_body, stream))
+        sends = [asyncio.create_task(send_request(session, url, model, a, rec, t0, seed, extra_body, stream))
                  for a, rec in zip(arrivals, records, strict=True)]
         try:
-            await asyncio.wait_for(asyncio.gather(*sends), timeout_s)
+            if window_s is None:
+                await asyncio.wait_for(asyncio.gather(*sends), timeout_s)
+            else:
+                await asyncio.wait(sends, timeout=window_s)
         finally:
             stop.set()
             scraper.join(timeout=15)

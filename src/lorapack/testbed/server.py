@@ -167,13 +167,20 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float =
     raise TestbedError(f"vLLM server at {url} not healthy after {timeout_s:.0f} s; log {log}")
 
 
+def served_name(adapter: str) -> str:
+    """An adapter entry is a testbed adapter id (``r8-0``) or ``name=id``: the same weights served under another
+    name (vLLM treats every name as its own adapter: more adapters than the testbed has weights)."""
+    return adapter.partition("=")[0]
+
+
 def serve_command(testbed: Testbed, port: int, adapters: Sequence[str], flags: Sequence[str]) -> list[str]:
-    """``vllm serve`` of the tiny model on 127.0.0.1:port with the given adapters (registration order) and flags."""
+    """``vllm serve`` of the tiny model on 127.0.0.1:port with the given adapters (registration order, entries as in
+    ``served_name``) and flags."""
     cmd = [str(testbed.vllm), "serve", str(testbed.model_dir), "--host", "127.0.0.1", "--port", str(port),
            *BASE_FLAGS]
     if adapters:
         cmd += ["--enable-lora", "--lora-modules"]
-        cmd += [lora_module_arg(a, testbed.adapter(a).path) for a in adapters]
+        cmd += [lora_module_arg(served_name(a), testbed.adapter(a.partition("=")[2] or a).path) for a in adapters]
     return cmd + list(flags)
 
 

@@ -1,0 +1,174 @@
+"""measure -> calibrate -> predict, proven on the testbed (issue "Measure", docs/profile-your-gpu.md).
+
+1. start one testbed vLLM server (``lorapack.testbed.fidelity``: 16 adapters of ranks 8-32, 4 slots, 12 CPU slots);
+2. ``lorapack measure`` it with ``--budget-min`` (default 20) and ``lorapack calibrate`` the measurement;
+3. replay held-back runs the fit never saw (21 designs: 2-16 adapters, light to starving, other seeds), and
+   three of them twice more (the server's own run-to-run noise);
+4. predict each held-back run with the twin on the same arrivals and score: throughput and mean-TTFT SMAPE,
+   starvation-label agreement, and per run with more adapters than slots the Spearman rank correlation of the
+   adapters' mean TTFTs;
+5. ``--repeat-measure``: measure and calibrate a second time (another seed) and compare the two profiles'
+   starvation labels on the held-back runs (reproducibility).
+
+Prints the figures and writes ``bench/results/testbed_fidelity.json``. Needs the testbed (``make testbed``);
+about 20 + 15 min (+ 20 with ``--repeat-measure``) on a 2-core machine. SMAPE in the project's convention
+(``realruns.smape``: |p - m| / (|p| + |m|), the paper's); ``*_2x`` keys give the textbook form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budget-min", type=float, default=20.0)
+    ap.add_argument("--window-s", type=float, default=30.0, help="window of each held-back run")
+    ap.add_argument("--designs", type=int, default=21, help="held-back runs (the first K designs)")
+    ap.add_argument("--noise-runs", type=int, default=3, help="held-back runs replayed twice more")
+    ap.add_argument("--repeat-measure", action="store_true", help="measure + calibrate a second time")
+    ap.add_argument("--workdir", type=Path, default=None, help="keep the measurements and profiles here")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "testbed_fidelity.json")
+    args = ap.parse_args()
+
+    from lorapack.calibrate.command import calibrate
+    from lorapack.measure import experiments as ex
+    from lorapack.measure.probe import Http
+    from lorapack.measure.run import Store, capacity_rps, idle_service, measure
+    from lorapack.profile import load_profile_file
+    from lorapack.realruns import smape
+    from lorapack.testbed import fidelity as fd
+    from lorapack.testbed.env import INSTALL_HINT, find_testbed
+    from lorapack.testbed.server import start_server
+
+    tb = find_testbed()
+    if tb is None:
+        print(f"testbed not installed: {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="lorapack-fidelity-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t_all = time.monotonic()
+    server = start_server(tb, fd.server_adapters(), fd.SERVER_FLAGS, work / "logs")
+    out: dict = {"date": time.strftime("%Y-%m-%d"), "machine": platform.node(), "cpus": __import__("os").cpu_count(),
+                 "server_flags": list(fd.SERVER_FLAGS), "n_served_adapters": fd.N_SERVED}
+    try:
+        adapters_csv = fd.write_adapters_csv(work / "adapters.csv")
+
+        def measure_and_fit(tag: str, seed: int) -> tuple[Path, object, float]:
+            mdir = work / f"measure-{tag}"
+            t0 = time.monotonic()
+            measure(server.url, adapters_csv, mdir, budget_min=args.budget_min, log=server.log, seed=seed,
+                    fresh=True, say=lambda s: print(f"[measure {tag}] {s}", flush=True))
+            wall = time.monotonic() - t0
+            prof_path = work / f"profile-{tag}.yaml"
+            calibrate(mdir, runs=[mdir / "runs.csv"], out=prof_path, workers=1,
+                      log=lambda s: print(f"[calibrate {tag}] {s}", flush=True))
+            return mdir, load_profile_file(prof_path), wall
+
+        mdir, prof, measure_wall = measure_and_fit("a", 0)
+        out["measure_wall_s"] = measure_wall
+        out["measure_budget_min"] = args.budget_min
+        store = Store(mdir)
+        from lorapack.measure.probe import Identity
+
+        ident = Identity(**store.meta["identity"])
+        ctx = ex.Context(Http(server.url), ident, [(n, r) for n, r, _ in fd.adapter_names()], ex.Caps(), 0, 1.0,
+                         print)
+        solo = idle_service(mdir, ident.max_num_batched_tokens)
+        runs = fd.held_back_runs(lambda n: capacity_rps(ctx, store, n, 128.0, 128.0),
+                                 fd.HELD_BACK[:args.designs], window_s=args.window_s)
+        results = []
+        for k, run in enumerate(runs):
+            t0 = time.monotonic()
+            got = fd.replay_run(server.url, ident.model, run, ident, solo)
+            ex.wait_idle(Http(server.url))
+            got["prediction"] = fd.predict_run(prof, run, got["arrivals"], ident)
+            results.append((run, got))
+            r, p = got["row"], got["prediction"]
+            print(f"held-back {k + 1}/{len(runs)} {run.run_id}: throughput {r['throughput_tok_s']:.0f} vs twin "
+                  f"{p['throughput_tok_s']:.0f} tok/s; TTFT {r['ttft_mean_ms']:.0f} vs {p['ttft_mean_ms']:.0f} ms; "
+                  f"starved {bool(r['starved'])} vs {p['starved']} ({time.monotonic() - t0:.0f} s)", flush=True)
+        noise = []
+        for run, _ in results[:args.noise_runs]:
+            reps = [fd.replay_run(server.url, ident.model, run, ident, solo, repeat=i)["row"] for i in (1, 2)]
+            ex.wait_idle(Http(server.url))
+            first = next(g["row"] for r2, g in results if r2 is run)
+            tp = [first["throughput_tok_s"]] + [x["throughput_tok_s"] for x in reps]
+            tt = [first["ttft_mean_ms"]] + [x["ttft_mean_ms"] for x in reps]
+            noise.append({"run_id": run.run_id, "throughput_tok_s": tp, "ttft_mean_ms": tt})
+            print(f"noise {run.run_id}: throughput {tp}, TTFT {tt}", flush=True)
+
+        m_tp = [g["row"]["throughput_tok_s"] for _, g in results]
+        p_tp = [g["prediction"]["throughput_tok_s"] for _, g in results]
+        m_tt = [g["row"]["ttft_mean_ms"] for _, g in results]
+        p_tt = [g["prediction"]["ttft_mean_ms"] for _, g in results]
+        m_st = [bool(g["row"]["starved"]) for _, g in results]
+        p_st = [g["prediction"]["starved"] for _, g in results]
+        rhos = {}
+        for run, g in results:
+            if len(run.adapters) > fd.MAX_LORAS:
+                rhos[run.run_id] = fd.spearman(g["adapter_ttft_ms"], g["prediction"]["adapter_ttft_ms"])
+
+        def pairwise(vals: list[list[float]]) -> float:
+            """Mean SMAPE between each replay and the mean of its run's replays (project convention)."""
+            errs = [smape(np.array(v), np.full(len(v), np.mean(v))) for v in vals]
+            return float(np.mean(errs))
+
+        out.update({
+            "n_runs": len(results), "window_s": args.window_s,
+            "smape_throughput": smape(np.array(m_tp), np.array(p_tp)),
+            "smape_throughput_2x": smape(np.array(m_tp), np.array(p_tp), 2.0),
+            "smape_ttft": smape(np.array(m_tt), np.array(p_tt)),
+            "smape_ttft_2x": smape(np.array(m_tt), np.array(p_tt), 2.0),
+            "starved_agreement": float(np.mean(np.array(m_st) == np.array(p_st))),
+            "n_starved_measured": int(sum(m_st)),
+            "ttft_rank_spearman_min": float(np.nanmin(list(rhos.values()))) if rhos else None,
+            "ttft_rank_spearman_median": float(np.nanmedian(list(rhos.values()))) if rhos else None,
+            "ttft_rank_spearman": rhos,
+            "noise_smape_throughput": pairwise([n["throughput_tok_s"] for n in noise]) if noise else None,
+            "noise_smape_ttft": pairwise([n["ttft_mean_ms"] for n in noise]) if noise else None,
+            "noise": noise,
+            "profile": {"steptime": prof.steptime.model_dump(), "frontend": prof.frontend.model_dump()
+                        if prof.frontend else None},
+            "runs": [{"run_id": run.run_id, "n_adapters": len(run.adapters),
+                      "rate_rps": sum(a.rate_rps for a in run.adapters),
+                      "measured": {k: g["row"][k] for k in ("throughput_tok_s", "ttft_mean_ms", "throughput_ratio",
+                                                              "starved", "n_completed", "n_sent")},
+                      "predicted": {k: g["prediction"][k] for k in ("throughput_tok_s", "ttft_mean_ms",
+                                                                      "throughput_ratio", "starved")}}
+                     for run, g in results],
+        })
+        if args.repeat_measure:
+            _mdir_b, prof_b, wall_b = measure_and_fit("b", 1)
+            labels_b = [fd.predict_run(prof_b, run, g["arrivals"], ident)["starved"] for run, g in results]
+            out["repeat_measure"] = {"measure_wall_s": wall_b,
+                                     "same_starved_labels": float(np.mean(np.array(labels_b) == np.array(p_st))),
+                                     "labels_a": p_st, "labels_b": labels_b,
+                                     "steptime_b": prof_b.steptime.model_dump()}
+    finally:
+        server.stop()
+    out["wall_s"] = time.monotonic() - t_all
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2, default=float) + "\n")
+    keys = ("n_runs", "smape_throughput", "smape_ttft", "starved_agreement", "ttft_rank_spearman_min",
+            "noise_smape_throughput", "measure_wall_s")
+    for k in keys:
+        print(f"{k}: {out.get(k)}")
+    if "repeat_measure" in out:
+        print(f"repeat measure: same starved labels {out['repeat_measure']['same_starved_labels']:.3f}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

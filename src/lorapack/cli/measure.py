@@ -1,0 +1,71 @@
+"""``lorapack measure``: probe a live vLLM server into profiling data; the work is in ``lorapack.measure.run``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .common import console, err_console, print_json
+
+
+def measure(
+    url: Annotated[str, typer.Option("--url", help="The vLLM server's base address, e.g. http://127.0.0.1:8000 "
+                                     "(measure sends traffic to nothing else).")],
+    adapters: Annotated[Path, typer.Option("--adapters", help="CSV adapter_id,rank[,path]: the adapters to measure "
+                                           "(served by the server, or loaded from path when it allows runtime "
+                                           "loading; those are unloaded at the end).")],
+    out: Annotated[Path, typer.Option("--out", help="Measurement directory to write (or to resume).")],
+    budget_min: Annotated[float, typer.Option("--budget-min", help="Wall-time budget in minutes; the experiments "
+                                              "scale their repetitions to it.")] = 20.0,
+    log: Annotated[Path | None, typer.Option("--log", help="The server's start-up log: its flags, KV cache and "
+                                             "device.")] = None,
+    server_args: Annotated[str | None, typer.Option("--server-args", help="The vllm serve flags the server was "
+                                                    "started with, when no --log is given, e.g. '--max-loras 8 "
+                                                    "--max-num-seqs 256 --max-num-batched-tokens 2048'.")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="LORAPACK_API_KEY",
+                                                help="Sent as a bearer token.")] = None,
+    max_concurrency: Annotated[int, typer.Option("--max-concurrency", help="Most requests in flight at once "
+                                                 "(closed-loop experiments).")] = 64,
+    max_rate: Annotated[float, typer.Option("--max-rate", help="Most requests per second (runs).")] = 50.0,
+    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", help="Longest prompt sent.")] = 4096,
+    max_output_tokens: Annotated[int, typer.Option("--max-output-tokens", help="Longest output asked for "
+                                                   "(closed-loop experiments).")] = 256,
+    mean_input_tokens: Annotated[float, typer.Option("--mean-input-tokens", help="Mean prompt length of the "
+                                                     "runs.")] = 128.0,
+    mean_output_tokens: Annotated[float, typer.Option("--mean-output-tokens", help="Mean output length of the "
+                                                      "runs.")] = 128.0,
+    runs: Annotated[int | None, typer.Option("--runs", help="Number of end-to-end runs (default: as many as the "
+                                             "budget allows, at least 3).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of every prompt, length and arrival drawn.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Measure a server that is busy with other requests "
+                                        "(its numbers will be off).")] = False,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Start over instead of resuming --out.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
+) -> None:
+    """Measure a running vLLM server from the outside (designed experiments through /v1/completions and
+    /metrics) and write profiling data for ``lorapack calibrate --profiling DIR --runs DIR/runs.csv``."""
+    from ..measure.experiments import Caps
+    from ..measure.run import measure as run_measure
+
+    def say(text: str) -> None:
+        err_console.print(text, highlight=False, markup=False)
+
+    def progress(name: str, i: int, n: int) -> None:
+        err_console.print(f"  {name}: {i}/{n}", highlight=False, markup=False)
+
+    if runs is not None and runs < 1:
+        from ..measure.probe import MeasureError
+
+        raise MeasureError(f"--runs {runs}: expected an integer >= 1")
+    summary = run_measure(url, adapters, out, budget_min=budget_min, log=log, server_args=server_args,
+                          api_key=api_key, force=force, fresh=fresh, seed=seed,
+                          caps=Caps(max_concurrency=max_concurrency, max_rate_rps=max_rate,
+                                    max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens),
+                          mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens, n_runs=runs,
+                          say=say, progress=progress)
+    if json_out:
+        print_json(summary)
+    else:
+        console.print(f"wrote {summary['out']}\nnext: {summary['calibrate']}", markup=False, highlight=False)

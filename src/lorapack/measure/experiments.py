@@ -1,0 +1,276 @@
+"""The designed experiments of ``lorapack measure`` (docs/profile-your-gpu.md): each sends its traffic, returns
+rows for one CSV of the measurement directory, and can say beforehand how long it will take.
+
+* ``decode``: closed-loop concurrency ladders (short prompts; then long prompts for the context term): the
+  engine's inter-token interval against the running batch;
+* ``prefill``: one request at a time, output 1 token, prompts around the token budget: time to first token
+  against prompt tokens and chunks; streamed, so the API server's share of TTFT is measured too;
+* ``lora``: the same closed-loop load spread over 1..A adapters, each point next to the base model at the same
+  concurrency: LoRA cost against the batch and the distinct adapters in it;
+* ``loading``: one request at a time to an adapter that is warm, evicted from the GPU slots (after requests to
+  ``--max-loras`` others) and evicted from the CPU cache (after ``--max-cpu-loras`` others);
+* ``runs``: Poisson arrivals over the adapters at several loads (some beyond capacity), windowed, in the runs
+  schema of ``shared/data/real-runs/calibration.csv`` (``calibrate --runs``, ``validate``).
+
+Times are the engine's own when the server sends per-request metrics (``--enable-per-request-metrics``),
+else the client's (streamed: first chunk and last chunk).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .probe import Http, Identity, MeasureError, scrape
+from .traffic import closed_loop, tpot_ms
+
+
+@dataclass
+class Caps:
+    """Limits on the traffic ``measure`` sends (flags with safe defaults)."""
+
+    max_concurrency: int = 64
+    max_rate_rps: float = 50.0
+    max_prompt_tokens: int = 4096
+    max_output_tokens: int = 256
+
+
+@dataclass
+class Context:
+    http: Http
+    identity: Identity
+    adapters: list[tuple[str, int]]  # (adapter_id, rank) measured: ADAPTERS.csv order
+    caps: Caps
+    seed: int
+    scale: float  # < 1 when the budget is tight: fewer repetitions everywhere
+    log: Callable[[str], None]
+    next_index: list[int] = field(default_factory=lambda: [1_000_000])  # request indices (distinct prompts)
+    step_ms_1: float = 10.0  # the engine's interval at concurrency 1 (warm-up), for planning
+
+    def indices(self, n: int) -> int:
+        first = self.next_index[0]
+        self.next_index[0] += n + 1
+        return first
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    def concurrency_cap(self) -> int:
+        return max(1, min(self.identity.max_num_seqs, self.caps.max_concurrency))
+
+
+def _itl(recs) -> float:
+    """Mean inter-token interval (ms) of the finished requests: the engine's when sent, else the client's."""
+    vals = [r.engine_itl_ms if np.isfinite(r.engine_itl_ms) else tpot_ms(r) for r in recs if r.status == 200]
+    vals = [v for v in vals if np.isfinite(v)]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def _engine_ttft(r) -> float:
+    if np.isfinite(r.queue_ms) and np.isfinite(r.engine_ttft_ms):
+        return r.queue_ms + r.engine_ttft_ms
+    return 1000.0 * r.ttft_s
+
+
+def _check(recs, what: str) -> None:
+    bad = [r for r in recs if r.status != 200 or r.error]
+    if bad:
+        r = bad[0]
+        raise MeasureError(f"{what}: {len(bad)} of {len(recs)} requests failed (first: HTTP {r.status} "
+                           f"{r.error[:160]})")
+
+
+def _loop(ctx: Context, adapters: Sequence[str | None], concurrency: int, per_worker: int, prompt: int,
+          output: int, what: str):
+    first = ctx.indices(concurrency * per_worker)
+    before = scrape(ctx.http)
+    res = closed_loop(ctx.url, ctx.identity.model, adapters, concurrency, per_worker, prompt, output, ctx.seed,
+                      api_key=ctx.http.api_key, first_index=first)
+    after = scrape(ctx.http)
+    _check(res.records, what)
+    return res, after.steps - before.steps, after.step_tokens - before.step_tokens
+
+
+def warm_up(ctx: Context) -> None:
+    """A few requests to the base model (first-request costs out of the way) and the step time at 1."""
+    res, _, _ = _loop(ctx, [None], 1, 3, 16, 32, "warm-up")
+    ctx.step_ms_1 = max(_itl(res.records), 0.1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decode
+
+
+def decode_points(ctx: Context) -> list[tuple[int, int]]:
+    """(concurrency, prompt tokens): powers of two up to the cap with short prompts; three with long ones."""
+    cap = ctx.concurrency_cap()
+    bs = sorted({min(cap, 2**k) for k in range(0, 12) if 2**k <= cap} | {cap})
+    long_p = int(min(ctx.caps.max_prompt_tokens, ctx.identity.max_model_len // 4, 2048))
+    long_bs = sorted({1, max(1, cap // 4), cap})
+    return [(b, 16) for b in bs] + ([(b, long_p) for b in long_bs] if long_p > 64 else [])
+
+
+def _decode_output(ctx: Context) -> int:
+    return int(min(128, ctx.caps.max_output_tokens))
+
+
+def _per_worker(ctx: Context, seconds: float, output: int, step_ms: float) -> int:
+    return max(2, int(seconds * 1000.0 / max(output * step_ms, 1.0)))
+
+
+def plan_decode(ctx: Context, seconds: float) -> float:
+    pts = decode_points(ctx)
+    return seconds if pts else 0.0
+
+
+def run_decode(ctx: Context, seconds: float, progress: Callable[[int, int], None]) -> list[dict]:
+    pts = decode_points(ctx)
+    out = _decode_output(ctx)
+    rows = []
+    for i, (b, p) in enumerate(pts):
+        # time per point: the share of this point; steps grow with the batch (a guess for planning only)
+        step = ctx.step_ms_1 * (1.0 + 0.02 * b)
+        k = _per_worker(ctx, seconds / len(pts), out, step)
+        res, steps, tokens = _loop(ctx, [None], b, k, p, out, f"decode ladder, concurrency {b}")
+        recs = res.records
+        rows.append({"concurrency": b, "prompt_tokens": p, "output_tokens": out, "n_requests": len(recs),
+                     "itl_mean_ms": _itl(recs), "ttft_mean_ms": float(np.mean([_engine_ttft(r) for r in recs])),
+                     "wall_s": res.wall_s, "engine_steps": steps, "step_tokens": tokens,
+                     "step_ms_mean": 1000.0 * res.wall_s / steps if steps else float("nan"),
+                     "context_tokens_mean": p + out / 2.0})
+        progress(i + 1, len(pts))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# prefill (+ the API server's share of TTFT)
+
+
+def prefill_lengths(ctx: Context) -> list[int]:
+    budget = ctx.identity.max_num_batched_tokens
+    top = min(ctx.caps.max_prompt_tokens, ctx.identity.max_model_len - 2, 4 * budget)
+    pts = sorted({16, budget // 4, budget // 2, budget, budget + budget // 2, 2 * budget, 3 * budget, 4 * budget})
+    return [p for p in pts if 1 <= p <= top]
+
+
+def run_prefill(ctx: Context, seconds: float, progress: Callable[[int, int], None]) -> list[dict]:
+    lengths = prefill_lengths(ctx)
+    budget = ctx.identity.max_num_batched_tokens
+    reps = max(3, int(ctx.scale * 6))
+    rows = []
+    for i, p in enumerate(lengths):
+        res, _, _ = _loop(ctx, [None], 1, reps, p, 1, f"prefill, {p} prompt tokens")
+        for r in res.records:
+            rows.append({"prompt_tokens": p, "chunks": math.ceil(p / budget), "ttft_ms": _engine_ttft(r),
+                         "client_ttft_ms": 1000.0 * r.ttft_s,
+                         "frontend_ms": (1000.0 * r.ttft_s - _engine_ttft(r)) if np.isfinite(r.queue_ms)
+                         else float("nan")})
+        progress(i + 1, len(lengths))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LoRA compute cost
+
+
+def lora_points(ctx: Context) -> list[tuple[int, int, int]]:
+    """(concurrency, distinct adapters, rank)."""
+    a = ctx.identity.max_loras
+    cap = ctx.concurrency_cap()
+    bs = sorted({max(1, cap // 4), cap})
+    ranks = sorted({r for _, r in ctx.adapters})
+    top = ranks[-1]
+    by_rank = {r: [x for x, rr in ctx.adapters if rr == r] for r in ranks}
+    ls = sorted({1, min(2, a), a} & set(range(1, len(by_rank[top]) + 1)) or {1})
+    pts = [(b, L, top) for b in bs for L in ls]
+    for r in ranks[:-1]:  # the other ranks at the largest spread: the cost should follow the slot rank, not r
+        pts.append((cap, min(a, len(by_rank[r])), r))
+    return pts
+
+
+def run_lora(ctx: Context, seconds: float, progress: Callable[[int, int], None]) -> list[dict]:
+    pts = lora_points(ctx)
+    out = _decode_output(ctx)
+    by_rank: dict[int, list[str]] = {}
+    for x, r in ctx.adapters:
+        by_rank.setdefault(r, []).append(x)
+    rows = []
+    base_cache: dict[int, float] = {}
+    for i, (b, n, r) in enumerate(pts):
+        step = ctx.step_ms_1 * (1.0 + 0.04 * b)
+        k = _per_worker(ctx, seconds / (len(pts) + 2), out, step)
+        if b not in base_cache:  # the base model at this concurrency, measured within the same experiment
+            res, _, _ = _loop(ctx, [None], b, k, 16, out, f"LoRA cost, base model at concurrency {b}")
+            base_cache[b] = _itl(res.records)
+        chosen = by_rank[r][:n]
+        # one round first: every chosen adapter is loaded before the timed round
+        _loop(ctx, chosen, len(chosen), 1, 16, 2, "LoRA cost, loading the adapters")
+        res, steps, _ = _loop(ctx, chosen, b, k, 16, out, f"LoRA cost, {n} adapter(s) of rank {r}")
+        itl = _itl(res.records)
+        rows.append({"concurrency": b, "n_adapters": n, "rank": r, "max_lora_rank": ctx.identity.max_lora_rank,
+                     "max_loras": ctx.identity.max_loras, "output_tokens": out, "n_requests": len(res.records),
+                     "itl_mean_ms": itl, "base_itl_ms": base_cache[b], "overhead_ms": itl - base_cache[b],
+                     "engine_steps": steps})
+        progress(i + 1, len(pts))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# adapter loading
+
+
+def run_loading(ctx: Context, seconds: float, progress: Callable[[int, int], None]) -> list[dict]:
+    ident = ctx.identity
+    ids = [x for x, _ in ctx.adapters]
+    rank = dict(ctx.adapters)
+    # others to evict with: any served adapter (measured or not) other than the target
+    pool = [x for x in ident.served_adapters if x in rank] + [x for x in ident.served_adapters if x not in rank]
+    if len(pool) <= ident.max_loras:
+        ctx.log(f"loading: the server serves {len(pool)} adapter(s), not more than --max-loras "
+                f"{ident.max_loras}: an adapter is never evicted, load times are not measured")
+        return []
+    targets: list[str] = []
+    for r in sorted(set(rank.values())):
+        targets += [x for x in ids if rank[x] == r][:2 if ctx.scale >= 0.5 else 1]
+    disk = len(pool) > ident.max_cpu_loras
+
+    def ttft(adapter: str) -> float:
+        res, _, _ = _loop(ctx, [adapter], 1, 1, 16, 1, f"loading, adapter {adapter}")
+        return _engine_ttft(res.records[0])
+
+    def touch(others: list[str]) -> None:
+        for x in others:
+            ttft(x)
+
+    rows = []
+    for i, x in enumerate(targets):
+        others = [y for y in pool if y != x]
+        ttft(x)
+        warm = ttft(x)
+        touch(others[:ident.max_loras])  # x leaves the GPU slots (LRU), stays in the CPU cache
+        gpu_cold = ttft(x) if ident.max_cpu_loras > ident.max_loras else float("nan")
+        disk_cold = float("nan")
+        if disk:
+            touch(others[:ident.max_cpu_loras])  # x leaves the CPU cache too
+            disk_cold = ttft(x)
+        rows.append({"adapter_id": x, "rank": rank[x], "max_lora_rank": ident.max_lora_rank, "warm_ttft_ms": warm,
+                     "gpu_cold_ttft_ms": gpu_cold, "disk_cold_ttft_ms": disk_cold,
+                     "activation_ms": gpu_cold - warm, "disk_ms": disk_cold - gpu_cold})
+        progress(i + 1, len(targets))
+    return rows
+
+
+def wait_idle(http: Http, timeout_s: float = 120.0) -> None:
+    """Until the server has no request running or waiting (after a window's cancelled requests)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = scrape(http)
+        if s.running + s.waiting == 0:
+            return
+        time.sleep(0.5)
+    raise MeasureError(f"--url {http.url}: requests still running {timeout_s:.0f} s after the window ended")

@@ -1,0 +1,369 @@
+"""``lorapack measure``: identify a live vLLM server, run the experiments within a time budget, write a
+measurement directory that ``lorapack calibrate --profiling DIR --runs DIR/runs.csv`` fits.
+
+The directory (docs/profile-your-gpu.md): ``measure.json`` (the server's identity, the settings, which
+experiments are done), one CSV per experiment (``decode``, ``prefill``, ``lora``, ``loading``, ``runs``). Every
+file is written atomically when its experiment (for ``runs``: each run) ends, so a measurement killed at any
+moment resumes where it stopped: same command, same ``--out``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+from ..checks import check_input_file, check_output_dir, write_text_atomic
+from . import experiments as ex
+from .fit import FORMAT, MEASURE_JSON, fit_decode, fit_lora, fit_prefill, model_label, read_rows
+from .probe import (
+    Http,
+    Identity,
+    MeasureError,
+    check_url,
+    parse_server_args,
+    read_log,
+    scrape,
+    served,
+    version,
+)
+from .runs import RunAdapter, run_once, run_row
+
+# shares of the budget per experiment (the runs get the most: they are what calibrate refines against)
+SHARES = {"decode": 0.17, "prefill": 0.05, "lora": 0.17, "loading": 0.06, "runs": 0.50}
+ORDER = ("decode", "prefill", "lora", "loading", "runs")
+MIN_BUDGET_MIN = 2.0
+DEFAULT_MEAN_INPUT, DEFAULT_MEAN_OUTPUT = 128.0, 128.0
+# (adapters as a multiple of --max-loras, load as a fraction of the estimated capacity): above and below the
+# slots, light to starving; the first three are what a short budget gets
+RUN_DESIGNS = ((1.0, 0.5), (2.0, 0.8), (0.5, 1.5), (3.0, 0.6), (1.0, 1.1), (2.0, 1.6), (0.5, 0.3), (3.0, 1.3),
+               (1.5, 0.9), (4.0, 0.4), (1.0, 0.75), (2.0, 1.2))
+SETTLE_S = 3.0  # after a run: the cancelled requests leave, the server goes idle
+
+
+def read_adapters(path: str | Path) -> list[tuple[str, int, str | None]]:
+    """``adapter_id,rank[,path]`` rows (a header line is required)."""
+    p = check_input_file(path, "--adapters file", MeasureError)
+    text = p.read_text(errors="replace")
+    reader = csv.DictReader(io.StringIO(text))
+    cols = [c.strip() for c in (reader.fieldnames or [])]
+    if "adapter_id" not in cols or "rank" not in cols:
+        raise MeasureError(f"--adapters {p}: expected a header adapter_id,rank[,path]; found {','.join(cols) or 'none'}")
+    out = []
+    seen = set()
+    for line, row in enumerate(reader, start=2):
+        row = {k.strip(): (v or "").strip() for k, v in row.items() if k}
+        aid, rank = row.get("adapter_id", ""), row.get("rank", "")
+        if not aid:
+            raise MeasureError(f"--adapters {p}:{line}: empty adapter_id")
+        if aid in seen:
+            raise MeasureError(f"--adapters {p}:{line}: adapter {aid!r} listed twice")
+        seen.add(aid)
+        try:
+            r = int(rank)
+            if r < 1:
+                raise ValueError
+        except ValueError:
+            raise MeasureError(f"--adapters {p}:{line}: rank {rank!r}; expected an integer >= 1") from None
+        out.append((aid, r, row.get("path") or None))
+    if not out:
+        raise MeasureError(f"--adapters {p}: no adapters listed")
+    return out
+
+
+def identify(http: Http, adapters: Sequence[tuple[str, int, str | None]], log: Path | None, server_args: str | None,
+             log_fn: Callable[[str], None]) -> tuple[Identity, list[str]]:
+    """The server's identity; loads the listed adapters it does not serve (when a path is given and the server
+    allows runtime loading) and returns their ids (to unload at the end)."""
+    ver = version(http)
+    base, mml, served_ids = served(http)
+    from_log = read_log(log) if log is not None else {}
+    from_args = parse_server_args(server_args) if server_args else {}
+    if not served_ids and not any(path for _a, _r, path in adapters):
+        raise MeasureError(f"--url {http.url}: the server serves no LoRA adapter; start it with --enable-lora "
+                           "--lora-modules NAME=PATH ...")
+    loaded = []
+    for aid, _r, path in adapters:
+        if aid in served_ids:
+            continue
+        if path is None:
+            raise MeasureError(f"--adapters: adapter {aid!r} is not served at {http.url} (served: "
+                               f"{', '.join(served_ids[:8]) or 'no LoRA adapters'}) and has no path to load it from")
+        status, body = http.json("/v1/load_lora_adapter", {"lora_name": aid, "lora_path": path})
+        if status != 200:
+            why = ("the server does not allow runtime LoRA loading (start it with "
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)" if status == 404 else f"HTTP {status}: {body}")
+            raise MeasureError(f"--adapters: cannot load adapter {aid!r} from {path}: {why}")
+        loaded.append(aid)
+        served_ids.append(aid)
+    if not served_ids:
+        raise MeasureError(f"--url {http.url}: the server serves no LoRA adapter; start it with --enable-lora "
+                           "--lora-modules NAME=PATH ...")
+    # one LoRA request: vllm:lora_requests_info (and so --max-loras) exists from then on
+    probe = http.json("/v1/completions", {"model": adapters[0][0], "prompt": [5, 6, 7, 8], "max_tokens": 1,
+                                          "ignore_eos": True})
+    if probe[0] != 200:
+        raise MeasureError(f"--url {http.url}: a request to adapter {adapters[0][0]!r} failed: HTTP {probe[0]} "
+                           f"{str(probe[1])[:200]}")
+    per_request_metrics = isinstance(probe[1].get("metrics"), dict)
+    sc = scrape(http)
+    sources: dict[str, str] = {}
+
+    def pick(key: str, metric=None, default=None, required: bool = False):
+        for src, val in (("--server-args", from_args.get(key)), ("--log", from_log.get(key)),
+                         ("/metrics", metric)):
+            if val is not None:
+                sources[key] = src
+                return val
+        if required and default is None:
+            raise MeasureError(f"the server's --{key.replace('_', '-')} is unknown: pass --log FILE (its start-up "
+                               f"log) or --server-args '--{key.replace('_', '-')} N ...'")
+        sources[key] = "vLLM default" if default is not None else "unknown"
+        return default
+
+    max_loras = int(pick("max_loras", sc.max_lora, required=True))
+    max_lora_rank = int(pick("max_lora_rank", None, 16))
+    kv = sc.kv_cache_tokens or from_log.get("kv_cache_tokens")
+    if kv is None:
+        raise MeasureError(f"--url {http.url}: neither vllm:cache_config_info nor --log gives the KV cache size")
+    cache = sc.cache
+    ident = Identity(
+        url=http.url, vllm_version=ver, model=base,
+        max_model_len=int(pick("max_model_len", mml, required=True)), served_adapters=list(served_ids),
+        max_loras=max_loras, max_lora_rank=max_lora_rank,
+        max_cpu_loras=int(pick("max_cpu_loras", None, max_loras)),
+        max_num_seqs=int(pick("max_num_seqs", None, required=True)),
+        max_num_batched_tokens=int(pick("max_num_batched_tokens", None, required=True)),
+        kv_cache_tokens=int(kv), block_size=int(float(cache.get("block_size", 16))),
+        gpu_memory_utilization=float(pick("gpu_memory_utilization", _num(cache.get("gpu_memory_utilization")))
+                                     or 0.9),
+        prefix_caching=bool(pick("enable_prefix_caching", _bool(cache.get("enable_prefix_caching")), False)),
+        device=from_log.get("device"), tensor_parallel_size=int(pick("tensor_parallel_size", None, 1)),
+        per_request_metrics=per_request_metrics, sources=sources)
+    too_big = [a for a, r, _ in adapters if r > ident.max_lora_rank]
+    if too_big:
+        raise MeasureError(f"--adapters: {too_big[0]} has a rank above the server's --max-lora-rank "
+                           f"{ident.max_lora_rank}")
+    return ident, loaded
+
+
+def _num(v: str | None) -> float | None:
+    try:
+        return float(v) if v not in (None, "", "None") else None
+    except ValueError:
+        return None
+
+
+def _bool(v: str | None) -> bool | None:
+    return None if v in (None, "", "None") else v == "True"
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    cols: list[str] = []
+    for r in rows:
+        cols += [c for c in r if c not in cols]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()})
+    write_text_atomic(path, buf.getvalue())
+
+
+class Store:
+    """The measurement directory: ``measure.json`` and the experiments' CSV files."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.meta_path = out / MEASURE_JSON
+        self.meta: dict = json.loads(self.meta_path.read_text()) if self.meta_path.is_file() else {}
+
+    def begin(self, ident: Identity, settings: dict, fresh: bool) -> bool:
+        """Start or resume; True when resuming."""
+        if self.meta and not fresh:
+            old = self.meta.get("identity", {})
+            key = ident.key()
+            diff = [k for k, v in key.items() if old.get(k) != v]
+            if diff:
+                raise MeasureError(f"--out {self.out}: holds a measurement of another server ({diff[0]} "
+                                   f"{old.get(diff[0])!r}, now {key[diff[0]]!r}); use another --out or --fresh")
+            if self.meta.get("settings", {}).get("seed") != settings["seed"]:
+                raise MeasureError(f"--out {self.out}: was measured with --seed {self.meta['settings'].get('seed')}; "
+                                   "give the same seed to resume, or --fresh")
+            self.meta["identity"] = asdict(ident)
+            self.save()
+            return True
+        self.meta = {"format": FORMAT, "format_version": 1, "lorapack_version": __version__,
+                     "started": datetime.now(UTC).replace(microsecond=0).isoformat(),
+                     "identity": asdict(ident), "settings": settings, "experiments": {}}
+        self.save()
+        return False
+
+    def save(self) -> None:
+        write_text_atomic(self.meta_path, json.dumps(self.meta, indent=2, default=str) + "\n")
+
+    def done(self, name: str) -> bool:
+        return self.meta.get("experiments", {}).get(name, {}).get("status") == "done"
+
+    def finish(self, name: str, rows: list[dict], wall_s: float, note: str = "") -> None:
+        if rows:
+            _write_csv(self.out / f"{name}.csv", rows)
+        self.meta["experiments"][name] = {"status": "done", "rows": len(rows), "wall_s": round(wall_s, 1),
+                                          **({"note": note} if note else {})}
+        self.save()
+
+
+def plan(budget_s: float) -> dict[str, float]:
+    return {k: SHARES[k] * budget_s for k in ORDER}
+
+
+def capacity_rps(ctx: ex.Context, store: Store, n_adapters: int, mean_in: float, mean_out: float) -> float:
+    """Requests/s the server sustains at full batch, from the fits so far (decode, prefill, LoRA)."""
+    c0, c1, a3, _ = fit_decode(read_rows(store.out, "decode.csv"))
+    p1, _ = fit_prefill(read_rows(store.out, "prefill.csv"), c0, c1)
+    (e0, e1, e2), _ = fit_lora(read_rows(store.out, "lora.csv"))
+    b = ctx.concurrency_cap()
+    lora = min(n_adapters, ctx.identity.max_loras)
+    step = c0 + c1 * b + a3 * b * (mean_in + mean_out / 2) / 1000.0 + e0 + e1 * b + e2 * lora
+    per_request_ms = mean_out * step / b + mean_in * (p1 + e1)
+    return 1000.0 / per_request_ms
+
+
+def idle_service(mdir: Path | Store, budget_tokens: int) -> Callable[[int, int], float]:
+    """A request's time alone on the server (s), from the decode and prefill fits of a measurement."""
+    out = mdir.out if isinstance(mdir, Store) else Path(mdir)
+    c0, c1, _a3, _ = fit_decode(read_rows(out, "decode.csv"))
+    p1, _ = fit_prefill(read_rows(out, "prefill.csv"), c0, c1)
+    (e0, e1, e2), _ = fit_lora(read_rows(out, "lora.csv"))
+    step = c0 + c1 + e0 + e1 + e2  # one request of one adapter (the twin's idle_service_s)
+
+    def solo(prompt: int, output: int) -> float:
+        return (math.ceil(prompt / budget_tokens) * step + prompt * (p1 + e1) + max(output - 1, 0) * step) / 1000
+
+    return solo
+
+
+def run_designs(ctx: ex.Context, n_runs: int) -> list[tuple[int, float]]:
+    a = ctx.identity.max_loras
+    n_avail = len(ctx.adapters)
+    out = []
+    for mult, load in RUN_DESIGNS[:n_runs]:
+        n = int(min(n_avail, max(1, round(mult * a))))
+        out.append((n, load))
+    return out
+
+
+def measure(url: str, adapters_csv: str | Path, out: str | Path, *, budget_min: float = 20.0,
+            log: str | Path | None = None, server_args: str | None = None, api_key: str | None = None,
+            force: bool = False, fresh: bool = False, seed: int = 0, caps: ex.Caps | None = None,
+            mean_input_tokens: float = DEFAULT_MEAN_INPUT, mean_output_tokens: float = DEFAULT_MEAN_OUTPUT,
+            n_runs: int | None = None, say: Callable[[str], None] = print,
+            progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Measure the server at ``url`` into ``out`` (see the module docstring); returns a summary."""
+    t_start = time.monotonic()
+    url = check_url(url)
+    if not (isinstance(budget_min, int | float) and math.isfinite(budget_min) and budget_min >= MIN_BUDGET_MIN):
+        raise MeasureError(f"--budget-min {budget_min}: expected a number of minutes >= {MIN_BUDGET_MIN:g}")
+    caps = caps or ex.Caps()
+    for name, v in (("--max-concurrency", caps.max_concurrency), ("--max-rate", caps.max_rate_rps),
+                    ("--max-prompt-tokens", caps.max_prompt_tokens), ("--max-output-tokens", caps.max_output_tokens),
+                    ("--mean-input-tokens", mean_input_tokens), ("--mean-output-tokens", mean_output_tokens)):
+        if not (math.isfinite(v) and v >= 1):
+            raise MeasureError(f"{name} {v}: expected a number >= 1")
+    adapters = read_adapters(adapters_csv)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise MeasureError(f"--out {out}: exists and is not a directory")
+    http = Http(url, api_key)
+    ident, loaded = identify(http, adapters, Path(log) if log else None, server_args, say)
+    try:
+        sc = scrape(http)
+        if sc.running + sc.waiting > 0 and not force:
+            raise MeasureError(f"--url {url}: the server is busy ({sc.running:.0f} running, {sc.waiting:.0f} "
+                               "waiting requests); measure an idle server, or pass --force")
+        out = check_output_dir(out, "--out", create=True)  # created once the server answered
+        budget_s = 60.0 * budget_min
+        settings = {"seed": seed, "budget_min": budget_min, "caps": asdict(caps),
+                    "mean_input_tokens": mean_input_tokens, "mean_output_tokens": mean_output_tokens}
+        store = Store(out)
+        resumed = store.begin(ident, settings, fresh)
+        scale = min(1.0, budget_min / 20.0)
+        ctx = ex.Context(http, ident, [(a, r) for a, r, _ in adapters], caps, seed, scale, say)
+        shares = plan(budget_s)
+        todo = [k for k in ORDER if not store.done(k)]
+        say(f"measuring {ident.model} on vLLM {ident.vllm_version} at {url}: --max-loras {ident.max_loras}, "
+            f"--max-lora-rank {ident.max_lora_rank}, --max-cpu-loras {ident.max_cpu_loras}, --max-num-seqs "
+            f"{ident.max_num_seqs}, --max-num-batched-tokens {ident.max_num_batched_tokens}, KV cache "
+            f"{ident.kv_cache_tokens:,} tokens" + (" (resuming)" if resumed else ""))
+        est = sum(shares[k] for k in todo)
+        say(f"estimated duration: {est / 60:.1f} min ({', '.join(f'{k} {shares[k] / 60:.1f}' for k in todo)} min)")
+        ex.warm_up(ctx)
+        # distinct prompts across resumptions: start the indices past what earlier sessions used
+        ctx.next_index[0] += 10_000_000 * len(store.meta.get("experiments", {}))
+        runners = {"decode": ex.run_decode, "prefill": ex.run_prefill, "lora": ex.run_lora,
+                   "loading": ex.run_loading}
+        for name in todo:
+            t0 = time.monotonic()
+            say(f"{name}: up to {shares[name] / 60:.1f} min")
+
+            def prog(i: int, n: int, name: str = name) -> None:
+                if progress is not None:
+                    progress(name, i, n)
+
+            if name == "runs":
+                rows = _runs(ctx, store, shares[name], n_runs, mean_input_tokens, mean_output_tokens, say, prog)
+            else:
+                rows = runners[name](ctx, shares[name], prog)
+            store.finish(name, rows, time.monotonic() - t0)
+    finally:
+        for aid in loaded:
+            http.json("/v1/unload_lora_adapter", {"lora_name": aid})
+    wall = time.monotonic() - t_start
+    cmd = f"lorapack calibrate --profiling {out} --runs {out / 'runs.csv'}"
+    say(f"done in {wall / 60:.1f} min; next: {cmd}")
+    return {"out": str(out), "wall_s": wall, "identity": asdict(ident), "calibrate": cmd}
+
+
+def _runs(ctx: ex.Context, store: Store, seconds: float, n_runs: int | None, mean_in: float, mean_out: float,
+          say: Callable[[str], None], prog: Callable[[int, int], None]) -> list[dict]:
+    ident = ctx.identity
+    if n_runs is None:
+        n_runs = int(np.clip(seconds // 75, 3, len(RUN_DESIGNS)))
+    window = float(np.clip(seconds / n_runs - SETTLE_S, 15.0, 120.0))
+    designs = run_designs(ctx, n_runs)
+    done_rows = read_rows(store.out, "runs.csv", required=False)
+    state = store.meta.setdefault("runs_progress", {"done": 0})
+    rows: list[dict] = [dict(r) for r in done_rows][: state["done"]]
+    label = model_label(ident.model)
+    for k, (n, load) in enumerate(designs):
+        if k < len(rows):
+            continue
+        chosen = ctx.adapters[:n]
+        cap = capacity_rps(ctx, store, n, mean_in, mean_out)
+        total = min(ctx.caps.max_rate_rps, load * cap)
+        run_adapters = [RunAdapter(a, r, total / n) for a, r in chosen]
+        run_id = f"measure__{label}__load_{load:g}___{ident.max_loras}_{n}_{ident.max_lora_rank}_{k}"
+        say(f"runs: {k + 1}/{len(designs)}: {n} adapters, {total:.2f} req/s ({load:g} x the estimated "
+            f"capacity), {window:.0f} s")
+        arrivals, res = run_once(ctx.url, ident.model, run_adapters, window, mean_in, mean_out, ctx.seed + k,
+                                 api_key=ctx.http.api_key, stream=not ident.per_request_metrics)
+        row = run_row(run_id, label, ident, run_adapters, window, arrivals, res, ctx.seed + k,
+                      idle_service_s=idle_service(store, ident.max_num_batched_tokens))
+        if row["n_failed"]:
+            raise MeasureError(f"runs: {row['n_failed']} requests of run {run_id} failed")
+        rows.append(row)
+        ex.wait_idle(ctx.http)
+        _write_csv(store.out / "runs.csv", rows)
+        state["done"] = len(rows)
+        store.save()
+        prog(k + 1, len(designs))
+    return rows
