@@ -275,3 +275,69 @@ def test_calibrate_fits_a_measurement_directory(tmp_path: Path, monkeypatch, cap
     assert code == 2 and "the measured server runs vLLM 0.32.0" in err
     code, _, err = run_main(monkeypatch, capsys, "calibrate", "--profiling", tmp_path, "--out", tmp_path / "q.yaml")
     assert code == 2 and "needs --model" in err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --launch: a fake `vllm serve` (a Python script taking --host/--port/--max-loras/--max-lora-rank)
+
+FAKE_SERVE = '''
+import argparse, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+ap = argparse.ArgumentParser()
+ap.add_argument("--host"); ap.add_argument("--port", type=int)
+ap.add_argument("--max-loras", type=int, default=1); ap.add_argument("--max-lora-rank", type=int, default=16)
+a = ap.parse_args()
+if a.max_lora_rank not in (8, 16, 32):
+    print(f"ValueError: max_lora_rank ({a.max_lora_rank}) must be one of (8, 16, 32)", flush=True); sys.exit(1)
+kv = 100000 - a.max_loras * (10 * a.max_lora_rank + 50)
+if kv < 4096:
+    print("ValueError: 4096 tokens of KV cache is needed, which is larger than the available KV cache memory",
+          flush=True); sys.exit(1)
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *x): pass
+    def do_GET(self):
+        body = (f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{kv // 16}"}} 1.0\\n' if self.path ==
+                "/metrics" else "ok").encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+HTTPServer((a.host, a.port), H).serve_forever()
+'''
+
+
+def test_launch_grid_records_starts_and_refusals(tmp_path: Path) -> None:
+    import shlex
+    import sys
+
+    from lorapack.measure import launch as ln
+    from lorapack.measure.fit import fit_memory
+
+    script = tmp_path / "fake_serve.py"
+    script.write_text(FAKE_SERVE)
+    template = f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} {{flags}} --max-loras 1"
+    # the grid's flags come before the template's own --max-loras 1 here: the last one wins, as in vLLM
+    assert ln.command_words(template, ["--port", "9"])[-4:] == ["--port", "9", "--max-loras", "1"]
+    template = f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} {{flags}}"
+    grid = ln.parse_grid("4,64,400", "8,7,32")
+    saved: list[int] = []
+    rows = ln.startup_grid(template, grid, tmp_path / "logs", 60.0, lambda s: None,
+                           save=lambda r: saved.append(len(r)))
+    assert saved == list(range(1, len(grid) + 1))  # written after every point (resumable)
+    by = {(r["max_loras"], r["max_lora_rank"]): r for r in rows}
+    assert by[(4, 8)]["status"] == "ok" and by[(4, 8)]["kv_cache_tokens"] == (100000 - 4 * 130) // 16 * 16
+    assert by[(4, 7)] == {**by[(4, 7)], "status": "failed", "error_type": "invalid_argument"}
+    assert by[(400, 32)]["error_type"] == "kv_cache_insufficient"
+    # a resumed grid starts only what is missing
+    again = ln.startup_grid(template, grid, tmp_path / "logs", 60.0, lambda s: None, done=rows[:-1])
+    assert [r["start_s"] for r in again[:-1]] == [r["start_s"] for r in rows[:-1]]
+    # the memory rule fitted over the starts (k, c of the fake: 10 tokens per slot and rank, 50 per slot)
+    ident = {"max_loras": 4, "max_lora_rank": 8, "kv_cache_tokens": by[(4, 8)]["kv_cache_tokens"]}
+    mm, _prov = fit_memory(ident, [{k: str(v) for k, v in r.items()} for r in rows])
+    assert mm.kv_tokens_per_slot_rank == pytest.approx(10.0, abs=0.3)
+    assert mm.kv_tokens_per_slot == pytest.approx(50.0, abs=8.0)
+    assert any(p.kv_tokens is None and p.error_type == "kv_cache_insufficient" for p in mm.measured)
+    with pytest.raises(MeasureError, match="--grid-max-loras 'x'"):
+        ln.parse_grid("x", "8")
+    with pytest.raises(MeasureError, match="cannot start '/nonexistent/vllm': no such program"):
+        ln.start("/nonexistent/vllm serve m", [], tmp_path / "l.log", 5.0)
+    with pytest.raises(MeasureError, match="^failed: the server did not start: .*ZeroDivisionError"):
+        ln.start(f"{shlex.quote(sys.executable)} -c '1/0'", [], tmp_path / "l.log", 5.0)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from lorapack.errors import SpecError
 from lorapack.placement.export import (
     MEASURED_GPU_MEMORY_UTILIZATION,
     MEASURED_PREFIX_CACHING,
@@ -290,3 +291,30 @@ def test_vllm_use_v1_only_for_the_versions_that_have_v0(version: str | None, use
     for words in _launch_lines(text):
         assert ("VLLM_USE_V1=1" in words) == use_v1
     assert f"(vLLM {version or '0.8.5'})" in text
+
+
+def test_a_measured_profile_pins_its_own_settings_and_tensor_parallel_devices() -> None:
+    """A profile from ``lorapack measure`` records the server's memory fraction, prefix caching and TP size
+    (``place`` copies them into the plan's settings): every server gets them, and a TP server takes that many
+    devices of its node (one plan "GPU" = one server)."""
+    from lorapack.placement.export import Endpoints, routes
+
+    plan = _plan()
+    plan.settings.update({"measured_gpu_memory_utilization": 0.92, "measured_prefix_caching": True,
+                          "tensor_parallel_size": 2})
+    text = serve_script(plan, PATHS, Endpoints(gpus_per_node=4))
+    lines = _launch_lines(text)
+    assert len(lines) == len(plan.gpus) >= 2
+    for gi, words in enumerate(lines):
+        i = words.index("--tensor-parallel-size")
+        assert words[i + 1] == "2"
+        assert words[words.index("--gpu-memory-utilization") + 1] == "0.92"
+        assert "--enable-prefix-caching" in words and "--no-enable-prefix-caching" not in words
+        # 2 servers per 4-device node: devices 0,1 and 2,3, ports 8000, 8001; node gi // 2
+        assert f"CUDA_VISIBLE_DEVICES={(gi % 2) * 2},{(gi % 2) * 2 + 1}" in words
+        assert words[1] == str(gi // 2) and words[words.index("--port") + 1] == str(8000 + gi % 2)
+    assert "2 devices per server (tensor parallel)" in text
+    urls = {r["url"] for lst in routes(plan, Endpoints(gpus_per_node=4)).values() for r in lst}
+    assert all(u.endswith((":8000/v1", ":8001/v1")) for u in urls)
+    with pytest.raises(SpecError, match="multiple of the profile's tensor-parallel size 2"):
+        serve_script(plan, PATHS, Endpoints(gpus_per_node=3))

@@ -11,12 +11,12 @@ from .common import console, err_console, print_json
 
 
 def measure(
-    url: Annotated[str, typer.Option("--url", help="The vLLM server's base address, e.g. http://127.0.0.1:8000 "
-                                     "(measure sends traffic to nothing else).")],
     adapters: Annotated[Path, typer.Option("--adapters", help="CSV adapter_id,rank[,path]: the adapters to measure "
                                            "(served by the server, or loaded from path when it allows runtime "
                                            "loading; those are unloaded at the end).")],
     out: Annotated[Path, typer.Option("--out", help="Measurement directory to write (or to resume).")],
+    url: Annotated[str | None, typer.Option("--url", help="The vLLM server's base address, e.g. "
+                                            "http://127.0.0.1:8000 (measure sends traffic to nothing else).")] = None,
     budget_min: Annotated[float, typer.Option("--budget-min", help="Wall-time budget in minutes; the experiments "
                                               "scale their repetitions to it.")] = 20.0,
     log: Annotated[Path | None, typer.Option("--log", help="The server's start-up log: its flags, KV cache and "
@@ -42,6 +42,16 @@ def measure(
     force: Annotated[bool, typer.Option("--force", help="Measure a server that is busy with other requests "
                                         "(its numbers will be off).")] = False,
     fresh: Annotated[bool, typer.Option("--fresh", help="Start over instead of resuming --out.")] = False,
+    launch: Annotated[str | None, typer.Option("--launch", help="Instead of --url: a vllm serve command that "
+                                               "lorapack starts on 127.0.0.1 (and stops, with every process "
+                                               "it started); {flags} marks where host, port and grid flags "
+                                               "go (default: the end).")] = None,
+    grid_max_loras: Annotated[str, typer.Option("--grid-max-loras", help="With --launch: --max-loras values of "
+                                                "the start-up grid ('' = no grid).")] = "",
+    grid_max_lora_rank: Annotated[str, typer.Option("--grid-max-lora-rank", help="With --launch: "
+                                                    "--max-lora-rank values of the start-up grid.")] = "8,16,32",
+    start_timeout: Annotated[float, typer.Option("--start-timeout-s", help="With --launch: seconds a start may "
+                                                 "take.")] = 900.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
 ) -> None:
     """Measure a running vLLM server from the outside (designed experiments through /v1/completions and
@@ -59,7 +69,13 @@ def measure(
         from ..measure.probe import MeasureError
 
         raise MeasureError(f"--runs {runs}: expected an integer >= 1")
-    summary = run_measure(url, adapters, out, budget_min=budget_min, log=log, server_args=server_args,
+    from ..measure.launch import parse_grid
+    from ..measure.probe import MeasureError as _ME
+
+    grid = parse_grid(grid_max_loras, grid_max_lora_rank) if grid_max_loras.strip() else []
+    if grid and launch is None:
+        raise _ME("--grid-max-loras: a start-up grid needs --launch (lorapack starts the server per point)")
+    summary = run_measure(url, adapters, out, launch=launch, grid=grid, start_timeout_s=start_timeout, budget_min=budget_min, log=log, server_args=server_args,
                           api_key=api_key, force=force, fresh=fresh, seed=seed,
                           caps=Caps(max_concurrency=max_concurrency, max_rate_rps=max_rate,
                                     max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens),

@@ -85,12 +85,20 @@ def _check(recs, what: str) -> None:
                            f"{r.error[:160]})")
 
 
+# most requests per worker of a timed closed-loop point (its time slot normally ends it far earlier)
+TIMED_MAX_PER_WORKER = 10_000
+
+
 def _loop(ctx: Context, adapters: Sequence[str | None], concurrency: int, per_worker: int, prompt: int,
-          output: int, what: str):
+          output: int, what: str, duration_s: float | None = None):
+    """A closed-loop point: ``per_worker`` requests per worker, or with ``duration_s`` as many as that time
+    allows (no new request after it: the point overruns by at most one request)."""
+    if duration_s is not None:
+        per_worker = TIMED_MAX_PER_WORKER
     first = ctx.indices(concurrency * per_worker)
     before = scrape(ctx.http)
     res = closed_loop(ctx.url, ctx.identity.model, adapters, concurrency, per_worker, prompt, output, ctx.seed,
-                      api_key=ctx.http.api_key, first_index=first)
+                      api_key=ctx.http.api_key, first_index=first, duration_s=duration_s)
     after = scrape(ctx.http)
     _check(res.records, what)
     return res, after.steps - before.steps, after.step_tokens - before.step_tokens
@@ -119,24 +127,15 @@ def _decode_output(ctx: Context) -> int:
     return int(min(128, ctx.caps.max_output_tokens))
 
 
-def _per_worker(ctx: Context, seconds: float, output: int, step_ms: float) -> int:
-    return max(2, int(seconds * 1000.0 / max(output * step_ms, 1.0)))
-
-
-def plan_decode(ctx: Context, seconds: float) -> float:
-    pts = decode_points(ctx)
-    return seconds if pts else 0.0
-
-
 def run_decode(ctx: Context, seconds: float, progress: Callable[[int, int], None]) -> list[dict]:
     pts = decode_points(ctx)
     out = _decode_output(ctx)
     rows = []
+    t_end = time.monotonic() + seconds
     for i, (b, p) in enumerate(pts):
-        # time per point: the share of this point; steps grow with the batch (a guess for planning only)
-        step = ctx.step_ms_1 * (1.0 + 0.02 * b)
-        k = _per_worker(ctx, seconds / len(pts), out, step)
-        res, steps, tokens = _loop(ctx, [None], b, k, p, out, f"decode ladder, concurrency {b}")
+        # each point gets an equal share of the time left (a point overruns by at most one request)
+        slot = max(1.0, (t_end - time.monotonic()) / (len(pts) - i))
+        res, steps, tokens = _loop(ctx, [None], b, 0, p, out, f"decode ladder, concurrency {b}", duration_s=slot)
         recs = res.records
         rows.append({"concurrency": b, "prompt_tokens": p, "output_tokens": out, "n_requests": len(recs),
                      "itl_mean_ms": _itl(recs), "ttft_mean_ms": float(np.mean([_engine_ttft(r) for r in recs])),
@@ -201,16 +200,19 @@ def run_lora(ctx: Context, seconds: float, progress: Callable[[int, int], None])
         by_rank.setdefault(r, []).append(x)
     rows = []
     base_cache: dict[int, float] = {}
+    n_bases = len({b for b, _, _ in pts})
+    t_end = time.monotonic() + seconds
     for i, (b, n, r) in enumerate(pts):
-        step = ctx.step_ms_1 * (1.0 + 0.04 * b)
-        k = _per_worker(ctx, seconds / (len(pts) + 2), out, step)
+        # equal slots over the points left and the base-model points still to measure
+        left = len(pts) - i + n_bases - len(base_cache)
+        slot = max(1.0, (t_end - time.monotonic()) / left)
         if b not in base_cache:  # the base model at this concurrency, measured within the same experiment
-            res, _, _ = _loop(ctx, [None], b, k, 16, out, f"LoRA cost, base model at concurrency {b}")
+            res, _, _ = _loop(ctx, [None], b, 0, 16, out, f"LoRA cost, base model at concurrency {b}", duration_s=slot)
             base_cache[b] = _itl(res.records)
         chosen = by_rank[r][:n]
         # one round first: every chosen adapter is loaded before the timed round
         _loop(ctx, chosen, len(chosen), 1, 16, 2, "LoRA cost, loading the adapters")
-        res, steps, _ = _loop(ctx, chosen, b, k, 16, out, f"LoRA cost, {n} adapter(s) of rank {r}")
+        res, steps, _ = _loop(ctx, chosen, b, 0, 16, out, f"LoRA cost, {n} adapter(s) of rank {r}", duration_s=slot)
         itl = _itl(res.records)
         rows.append({"concurrency": b, "n_adapters": n, "rank": r, "max_lora_rank": ctx.identity.max_lora_rank,
                      "max_loras": ctx.identity.max_loras, "output_tokens": out, "n_requests": len(res.records),

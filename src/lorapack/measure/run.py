@@ -262,14 +262,29 @@ def run_designs(ctx: ex.Context, n_runs: int) -> list[tuple[int, float]]:
     return out
 
 
-def measure(url: str, adapters_csv: str | Path, out: str | Path, *, budget_min: float = 20.0,
+def measure(url: str | None, adapters_csv: str | Path, out: str | Path, *, budget_min: float = 20.0,
             log: str | Path | None = None, server_args: str | None = None, api_key: str | None = None,
             force: bool = False, fresh: bool = False, seed: int = 0, caps: ex.Caps | None = None,
             mean_input_tokens: float = DEFAULT_MEAN_INPUT, mean_output_tokens: float = DEFAULT_MEAN_OUTPUT,
             n_runs: int | None = None, say: Callable[[str], None] = print,
-            progress: Callable[[str, int, int], None] | None = None) -> dict:
-    """Measure the server at ``url`` into ``out`` (see the module docstring); returns a summary."""
+            progress: Callable[[str, int, int], None] | None = None, launch: str | None = None,
+            grid: Sequence[tuple[int, int]] = (), start_timeout_s: float | None = None) -> dict:
+    """Measure the server at ``url`` into ``out`` (see the module docstring); returns a summary.
+
+    ``launch``: instead of ``url``, a ``vllm serve`` command that lorapack starts itself (``measure.launch``):
+    first once per ``grid`` point (``startup.csv``), then once for the experiments; stopped at the end."""
     t_start = time.monotonic()
+    if launch is not None:
+        if url:
+            raise MeasureError("--url and --launch: give one (with --launch lorapack starts the server on "
+                               "127.0.0.1 itself)")
+        return _measure_launched(launch, adapters_csv, out, grid, start_timeout_s, budget_min=budget_min,
+                                 server_args=server_args, api_key=api_key, force=force, fresh=fresh, seed=seed,
+                                 caps=caps, mean_input_tokens=mean_input_tokens,
+                                 mean_output_tokens=mean_output_tokens, n_runs=n_runs, say=say, progress=progress,
+                                 t_start=t_start)
+    if not url:
+        raise MeasureError("--url: missing; give the server's base address, or --launch 'vllm serve ...'")
     url = check_url(url)
     if not (isinstance(budget_min, int | float) and math.isfinite(budget_min) and budget_min >= MIN_BUDGET_MIN):
         raise MeasureError(f"--budget-min {budget_min}: expected a number of minutes >= {MIN_BUDGET_MIN:g}")
@@ -331,6 +346,37 @@ def measure(url: str, adapters_csv: str | Path, out: str | Path, *, budget_min: 
     cmd = f"lorapack calibrate --profiling {out} --runs {out / 'runs.csv'}"
     say(f"done in {wall / 60:.1f} min; next: {cmd}")
     return {"out": str(out), "wall_s": wall, "identity": asdict(ident), "calibrate": cmd}
+
+
+def _measure_launched(template: str, adapters_csv, out, grid, start_timeout_s, *, t_start: float,
+                      say: Callable[[str], None], **kwargs) -> dict:
+    from . import launch as ln
+
+    ln.command_words(template, [])  # a bad command line is an error before anything starts
+    read_adapters(adapters_csv)
+    timeout = ln.DEFAULT_START_TIMEOUT_S if start_timeout_s is None else float(start_timeout_s)
+    out = check_output_dir(out, "--out", create=True)
+    if kwargs.get("fresh"):
+        (out / "startup.csv").unlink(missing_ok=True)
+    rows: list[dict] = []
+    if grid:
+        say(f"startup: {len(grid)} start(s) of the server, one per --max-loras x --max-lora-rank point")
+        done = read_rows(out, "startup.csv", required=False)
+        rows = ln.startup_grid(template, grid, out / "logs", timeout, say, done=done,
+                               save=lambda r: _write_csv(out / "startup.csv", r))
+    say("starting the server for the experiments")
+    server = ln.start(template, [], out / "logs" / "server.log", timeout)
+    try:
+        summary = measure(server.url, adapters_csv, out, log=server.log, say=say, **kwargs)
+    finally:
+        server.stop()
+    if rows:
+        store = Store(out)
+        store.meta["experiments"]["startup"] = {"status": "done", "rows": len(rows)}
+        store.save()
+    summary["wall_s"] = time.monotonic() - t_start
+    summary["startup"] = rows
+    return summary
 
 
 def _runs(ctx: ex.Context, store: Store, seconds: float, n_runs: int | None, mean_in: float, mean_out: float,

@@ -32,9 +32,10 @@ def session_headers(api_key: str | None) -> dict[str, str]:
 async def closed_loop_async(url: str, model: str, adapters: Sequence[str | None], concurrency: int,
                             requests_per_worker: int, prompt_tokens: int, output_tokens: int, seed: int,
                             api_key: str | None = None, timeout_s: float = 600.0,
-                            first_index: int = 0) -> ClosedLoopResult:
-    """``concurrency`` workers, worker ``w`` sending ``requests_per_worker`` requests one after the other to
-    adapter ``adapters[w % len(adapters)]`` (None = the base model). Request indices (and so prompts) start at
+                            first_index: int = 0, duration_s: float | None = None) -> ClosedLoopResult:
+    """``concurrency`` workers, worker ``w`` sending up to ``requests_per_worker`` requests one after the other to
+    adapter ``adapters[w % len(adapters)]`` (None = the base model); with ``duration_s`` a worker sends no new
+    request after that time (every worker sends at least one). Request indices (and so prompts) start at
     ``first_index``: give every call its own range, or prefix caching would serve a repeated prompt."""
     import aiohttp
 
@@ -47,6 +48,8 @@ async def closed_loop_async(url: str, model: str, adapters: Sequence[str | None]
         async def worker(w: int) -> None:
             adapter = adapters[w % len(adapters)]
             for k in range(requests_per_worker):
+                if k and duration_s is not None and time.monotonic() - t0 >= duration_s:
+                    break
                 index = first_index + w * requests_per_worker + k
                 rec = RequestRecord(index, adapter, prompt_tokens, output_tokens, time.monotonic() - t0)
                 records.append(rec)

@@ -380,6 +380,12 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
                 "mean_output_tokens": inst.mean_output_tokens,
                 "oracle": getattr(oracle, "name", None) or METHOD_ORACLE.get(method, "none"),
                 "vllm_version": profile.vllm_version}  # the rule set the twin followed (place --vllm-version)
+    # how a measured profile's server ran (serve.sh pins them); left out at the shipped profiles' values
+    for key, value, neutral in (("measured_gpu_memory_utilization", profile.measured_gpu_memory_utilization, 0.9),
+                                ("measured_prefix_caching", profile.measured_prefix_caching, False),
+                                ("tensor_parallel_size", profile.tensor_parallel_size, 1)):
+        if value != neutral:
+            settings[key] = value
 
     ctx.say("lower bound")
     # the latency row needs the twin: skipped with a toy capacity unless a toy latency capacity comes with it

@@ -1,0 +1,125 @@
+"""``lorapack measure`` -> ``calibrate`` -> predict on the testbed, the CI smoke version of
+``bench/testbed_fidelity.py``: ``measure --launch --budget-min 3`` with a two-point start-up grid (killed with
+SIGKILL half-way and resumed), calibrate the measurement, then three held-back runs (light, near capacity,
+starving) replayed on another server and predicted."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lorapack.measure.probe import Http, Identity
+from lorapack.testbed import fidelity as fd
+
+pytestmark = pytest.mark.real
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lorapack.cli", *args]
+
+
+def _done(mdir: Path) -> dict:
+    try:
+        return json.loads((mdir / "measure.json").read_text()).get("experiments", {})
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def launch_template(testbed) -> str:
+    """The testbed server of ``fidelity`` as a ``--launch`` command (environment and priority included)."""
+    from lorapack.testbed.server import BASE_FLAGS, SERVER_ENV, SERVER_NICE, lora_module_arg, served_name
+
+    mods = [lora_module_arg(served_name(a), testbed.adapter(a.partition("=")[2]).path) for a in fd.server_adapters()]
+    words = ["env", *[f"{k}={v}" for k, v in SERVER_ENV.items()], "nice", "-n", str(SERVER_NICE),
+             str(testbed.vllm), "serve", str(testbed.model_dir), *BASE_FLAGS, "--enable-lora", "--lora-modules", *mods,
+             *fd.SERVER_FLAGS]
+    return shlex.join(words) + " {flags}"
+
+
+def test_measure_launch_calibrate_predict(testbed, servers, tmp_path: Path) -> None:
+    """``measure --launch`` with a start-up grid (one setting vLLM refuses), killed with SIGKILL after the LoRA
+    experiment (its server dies with it) and resumed; calibrate; three held-back runs predicted."""
+    adapters = fd.write_adapters_csv(tmp_path / "adapters.csv")
+    mdir = tmp_path / "m"
+    cmd = _cli("measure", "--launch", launch_template(testbed), "--grid-max-loras", "2", "--grid-max-lora-rank",
+               "8,7", "--adapters", str(adapters), "--out", str(mdir), "--budget-min", "3", "--runs", "3")
+    # first attempt: killed (SIGKILL, the main process alone) once the LoRA experiment is written
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    deadline = time.monotonic() + 600
+    while "lora" not in _done(mdir) and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert first.poll() is None, first.communicate()[0]
+    decode_mtime = (mdir / "decode.csv").stat().st_mtime_ns
+    launched = json.loads((mdir / "measure.json").read_text())["identity"]["url"]
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    from lorapack.testbed.server import healthy
+
+    deadline = time.monotonic() + 30
+    while healthy(launched) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not healthy(launched), "the launched server outlived the killed measure"
+    with (mdir / "startup.csv").open() as f:
+        grid = {(r["max_loras"], r["max_lora_rank"]): r for r in csv.DictReader(f)}
+    assert grid[("2", "8")]["status"] == "ok" and grid[("2", "8")]["kv_cache_tokens"] == "2097152"
+    assert grid[("2", "7")]["status"] == "failed" and grid[("2", "7")]["error_type"] == "invalid_argument"
+    # the killed client's open requests are aborted by the server when their connections close; measure
+    # refuses a busy server, so give it a moment
+    time.sleep(2)
+    t0 = time.monotonic()
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "(resuming)" in second.stderr and "estimated duration" in second.stderr
+    assert "decode: up to" not in second.stderr  # done before the kill: not measured again
+    assert (mdir / "decode.csv").stat().st_mtime_ns == decode_mtime
+    assert f"lorapack calibrate --profiling {mdir}" in second.stdout
+    assert "startup: --max-loras" not in second.stderr  # the grid was done: not started again
+    assert time.monotonic() - t0 < 3 * 60 + 180
+    with (mdir / "runs.csv").open() as f:
+        runs = list(csv.DictReader(f))
+    assert len(runs) == 3 and {r["status"] for r in runs} == {"ok"}
+    assert all(float(r["throughput_tok_s"]) > 0 and r["max_loras"] == "4" for r in runs)
+
+    prof_path = tmp_path / "tiny.yaml"
+    cal = subprocess.run(_cli("calibrate", "--profiling", str(mdir), "--runs", str(mdir / "runs.csv"), "--out",
+                              str(prof_path), "--workers", "1", "--json"), capture_output=True, text=True,
+                         timeout=900)
+    assert cal.returncode == 0, cal.stderr
+    from lorapack.profile import load_profile_file
+
+    prof = load_profile_file(prof_path)
+    assert prof.vllm_version == "0.32.0" and prof.model == "tiny" and prof.device == "cpu"
+    assert prof.max_num_batched_tokens == 256 and prof.max_num_seqs == 32 and prof.block_size == 128
+
+    server = servers.get(fd.server_adapters(), fd.SERVER_FLAGS, fresh=True)
+    # three held-back runs: light, near capacity, far beyond it
+    from lorapack.measure import experiments as ex
+    from lorapack.measure.run import Store, capacity_rps, idle_service
+
+    store = Store(mdir)
+    ident = Identity(**store.meta["identity"])
+    ctx = ex.Context(Http(server.url), ident, [(n, r) for n, r, _ in fd.adapter_names()], ex.Caps(), 0, 1.0, print)
+    runs = fd.held_back_runs(lambda n: capacity_rps(ctx, store, n, 128.0, 128.0), ((6, 0.3), (3, 0.9), (8, 1.8)),
+                             window_s=20.0)
+    solo = idle_service(mdir, ident.max_num_batched_tokens)
+    got = []
+    for run in runs:
+        r = fd.replay_run(server.url, ident.model, run, ident, solo)
+        ex.wait_idle(Http(server.url))
+        got.append((r["row"], fd.predict_run(prof, run, r["arrivals"], ident)))
+    light, _, heavy = got
+    assert not light[0]["starved"] and not light[1]["starved"]
+    assert heavy[0]["starved"] and heavy[1]["starved"]
+    for row, pred in got:
+        rel = abs(pred["throughput_tok_s"] - row["throughput_tok_s"]) / row["throughput_tok_s"]
+        assert rel < 0.25, (row["run_id"], row["throughput_tok_s"], pred["throughput_tok_s"])
