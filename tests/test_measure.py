@@ -341,3 +341,41 @@ def test_launch_grid_records_starts_and_refusals(tmp_path: Path) -> None:
         ln.start("/nonexistent/vllm serve m", [], tmp_path / "l.log", 5.0)
     with pytest.raises(MeasureError, match="^failed: the server did not start: .*ZeroDivisionError"):
         ln.start(f"{shlex.quote(sys.executable)} -c '1/0'", [], tmp_path / "l.log", 5.0)
+
+
+def test_run_row_counts_like_the_twin() -> None:
+    """A windowed run's row: completed = finished in the window; the offered tokens behind the ratio count only
+    requests an idle server could have finished by the window's end (``twin.metrics.finishable_mask``)."""
+    from lorapack.measure.probe import Identity
+    from lorapack.measure.runs import RunAdapter, run_row
+    from lorapack.testbed.replay import Arrival, ReplayResult, RequestRecord
+
+    ident = Identity(url="u", vllm_version="0.32.0", model="m", max_model_len=4096, served_adapters=["a", "b"],
+                     max_loras=1, max_lora_rank=16, max_cpu_loras=2, max_num_seqs=8, max_num_batched_tokens=256,
+                     kv_cache_tokens=1000, block_size=16, gpu_memory_utilization=0.9, prefix_caching=False,
+                     device="cpu", tensor_parallel_size=1, per_request_metrics=True)
+    ads = [RunAdapter("a", 8, 1.0), RunAdapter("b", 16, 1.0)]
+
+    def rec(i: int, adapter: str, sent: float, finish: float, queue_ms: float = 5.0) -> RequestRecord:
+        r = RequestRecord(i, adapter, 100, 50, sent, t_sent_s=sent, t_finish_s=finish, completion_tokens=50,
+                          status=200, queue_ms=queue_ms, engine_ttft_ms=20.0, engine_itl_ms=10.0)
+        return r
+
+    recs = [rec(0, "a", 1.0, 2.0), rec(1, "b", 2.0, 3.0, 105.0), rec(2, "a", 8.0, 11.0), rec(3, "b", 9.9, 12.0)]
+    arrivals = [Arrival(r.t_planned_s, r.adapter_id, 100, 50) for r in recs]
+    res = ReplayResult(recs, [], 12.0)
+    row = run_row("measure__m__x___1_2_16_", "m", ident, ads, 10.0, arrivals, res, 0, idle_service_s=lambda p, o: 1.0)
+    assert row["n_completed"] == 2 and row["n_sent"] == 4
+    assert row["throughput_tok_s"] == pytest.approx(2 * 150 / 10.0)
+    # offered: requests 0, 1 and 2 could finish (sent + 1 s <= 10 s); request 3 (sent at 9.9 s) could not
+    assert row["throughput_ratio"] == pytest.approx(300 / 450)
+    assert row["starved"] == 1
+    assert row["incoming_tok_s"] == pytest.approx(600 / 10.0)
+    assert row["ttft_mean_ms"] == pytest.approx((25.0 + 125.0) / 2)
+    assert row["itl_mean_ms"] == pytest.approx(10.0)
+    assert row["rank_counts"] == "8:1 16:1" and row["rate_counts"] == "1:2"
+    assert row["ttft_source"] == "engine"
+    from lorapack.realruns import check_row
+
+    check_row({k: str(v) for k, v in row.items()}, "row", measured=("throughput_tok_s", "itl_mean_ms"),
+              need_counts=True)
