@@ -43,11 +43,11 @@ def main() -> int:
 
     from lorapack.calibrate.command import calibrate
     from lorapack.measure import experiments as ex
+    from lorapack.measure import proof as fd
     from lorapack.measure.probe import Http
     from lorapack.measure.run import Store, capacity_rps, idle_service, measure
     from lorapack.profile import load_profile_file
     from lorapack.realruns import smape
-    from lorapack.testbed import fidelity as fd
     from lorapack.testbed.env import INSTALL_HINT, find_testbed
     from lorapack.testbed.server import start_server
 

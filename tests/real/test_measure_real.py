@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from lorapack.measure import proof as fd
 from lorapack.measure.probe import Http, Identity
-from lorapack.testbed import fidelity as fd
 
 pytestmark = pytest.mark.real
 

@@ -6,5 +6,7 @@ calibrate`` fits into a profile (docs/profile-your-gpu.md).
 * ``experiments``: the designed experiments (decode ladder, prefill, LoRA cost, adapter loading);
 * ``runs``: windowed Poisson runs in the runs schema of the research data;
 * ``run``: the command itself (budget, progress, resumable measurement directory);
-* ``fit``: the closed-form priors of a profile from a measurement directory.
+* ``launch``: ``--launch``: start the server per start-up grid point and for the experiments;
+* ``fit``: the closed-form priors of a profile from a measurement directory;
+* ``proof``: the testbed server, held-back runs and scores of ``bench/testbed_fidelity.py``.
 """

@@ -1,5 +1,5 @@
-"""``measure`` -> ``calibrate`` -> predict, proven on the testbed (``bench/testbed_fidelity.py``, the ``real`` smoke
-test): one testbed server, its measurement, and held-back runs the fit never saw, replayed on the server and
+"""``measure`` -> ``calibrate`` -> predict, proven on the testbed (vLLM's CPU build, ``lorapack.testbed``;
+``bench/testbed_fidelity.py``, the ``real`` smoke test): one testbed server, its measurement, and held-back runs the fit never saw, replayed on the server and
 predicted by the twin with the same arrivals.
 
 The server: 16 adapters (ranks 8, 16, 32: the testbed's weights under several names), ``--max-loras 4``,
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..measure.runs import RunAdapter, per_adapter_ttft, run_once, run_row
 from ..realruns import smape  # noqa: F401 - the project's SMAPE, re-exported for the bench
+from .runs import RunAdapter, per_adapter_ttft, run_once, run_row
 
 MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS = 4, 32, 12
 SERVER_FLAGS = ("--max-loras", str(MAX_LORAS), "--max-lora-rank", str(MAX_LORA_RANK), "--max-cpu-loras",
@@ -97,7 +97,7 @@ def replay_run(url: str, model: str, run: HeldBackRun, identity, idle_service_s,
 def predict_run(profile, run: HeldBackRun, arrivals, identity) -> dict:
     """The twin on the run's own arrivals (planned times): its metrics and per-adapter mean TTFTs."""
     from ..server import ServerConfig
-    from .replay import twin_replay
+    from ..testbed.replay import twin_replay
 
     ids = [a.adapter_id for a in adapter_names_as_runadapters()]
     ranks = [a.rank for a in adapter_names_as_runadapters()]
