@@ -169,10 +169,18 @@ def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] 
     if not moved and log:
         log(f"warning: {model}: the refinement changed no constant (budget {max_evals}, cap {max_wall_s:.0f} s): "
             f"the profile keeps its starting values")
-    # the API server's TTFT share, from these runs simulated with the refined engine constants
-    _s, table = validate_profile(prof.model_copy(update={"frontend": None}), rows, seeds=seeds, lengths=lengths,
-                                 workers=workers)
-    frontend, p_front = fit_frontend(table)
+    # the API server's TTFT share, from these runs simulated with the refined engine constants; runs whose TTFT
+    # is the engine's own (lorapack measure with per-request metrics: queued -> first token) hold no API-server
+    # time: fitted there, the "share" would only absorb the engine model's queueing error (seen: 2 ms and 74 ms
+    # from two measurements of one server)
+    if rows and all((r.get("ttft_source") or "") == "engine" for r in rows):
+        frontend = FrontendModel(ttft_overhead_ms=0.0)
+        p_front = {"method": "0: every run's TTFT is the engine's own (queued -> first token, vLLM's per-request "
+                             "metrics), which holds no API-server time", "n_points": 0, "ttft_overhead_ms": 0.0}
+    else:
+        _s, table = validate_profile(prof.model_copy(update={"frontend": None}), rows, seeds=seeds,
+                                     lengths=lengths, workers=workers)
+        frontend, p_front = fit_frontend(table)
     prof = prof.model_copy(update={"frontend": frontend})
     if log:
         log(f"{model}: API server TTFT overhead {frontend.ttft_overhead_ms:.2f} ms (from {p_front['n_points']} "
