@@ -117,7 +117,36 @@ def placement_readme_figures() -> str:
             f"{d.get('loadavg_start', [float('nan')])[0]:.0f} on {d['cpus']} cores; table in `docs/placement.md`).")
 
 
+def testbed_fidelity_figures() -> str:
+    """docs/profile-your-gpu.md: measure -> calibrate -> predict on the testbed."""
+    name = "testbed_fidelity.json"
+    d = _load(name)
+    rep = d.get("repeat_measure") or {}
+    rho = d.get("ttft_rank_spearman") or {}
+    below = sum(1 for v in rho.values() if v < 0.9)
+    rows = ["| what (target) | measured | bench file |", "|---|---|---|",
+            f"| `measure --budget-min {d['measure_budget_min']:g}` wall time (≤ 20 min) | "
+            f"{d['measure_wall_s'] / 60:.1f} min" + (f"; the repeated measurement {rep['measure_wall_s'] / 60:.1f} min"
+                                                   if rep else "") + f" | `{name}` |",
+            f"| throughput SMAPE, {d['n_runs']} held-back runs (≤ 5 %) | {d['smape_throughput']:.2f} % "
+            f"({d['smape_throughput_2x']:.2f} % textbook); the server's own run-to-run noise "
+            f"{d['noise_smape_throughput']:.2f} % | `{name}` |",
+            f"| mean TTFT SMAPE (≤ 15 %) | {d['smape_ttft']:.1f} % ({d['smape_ttft_2x']:.1f} % textbook); the "
+            f"server's own noise {d['noise_smape_ttft']:.1f} % | `{name}` |",
+            f"| starvation-label agreement (≥ 95 %) | {100 * d['starved_agreement']:.1f} % "
+            f"({d['n_starved_measured']} of {d['n_runs']} runs starved on the server) | `{name}` |",
+            f"| Spearman of the adapters' mean TTFTs, runs with more adapters than slots (≥ 0.9 each) | min "
+            f"{d['ttft_rank_spearman_min']:.2f}, median {d['ttft_rank_spearman_median']:.2f}; {below} of "
+            f"{len(rho)} runs below 0.9 | `{name}` |"]
+    if rep:
+        rows.append(f"| a second measurement (another seed): same starvation labels on the held-back runs | "
+                    f"{100 * rep['same_starved_labels']:.1f} % | `{name}` |")
+    return f"({_day(d)}, {d.get('cpus', '?')} cores; SMAPE in the project's convention, \\|p − m\\| / (\\|p\\| + " \
+           "\\|m\\|))\n\n" + "\n".join(rows)
+
+
 BLOCKS: dict[str, tuple[str, Callable[[], str]]] = {
+    "testbed-fidelity": ("docs/profile-your-gpu.md", testbed_fidelity_figures),
     "placement-speed": ("docs/placement.md", placement_speed_figures),
     "placement-speed-readme": ("README.md", placement_readme_figures),
     "sweep": ("docs/sweep.md", sweep_figures),

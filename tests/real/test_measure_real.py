@@ -46,12 +46,12 @@ def launch_template(testbed) -> str:
 
 
 def test_measure_launch_calibrate_predict(testbed, servers, tmp_path: Path) -> None:
-    """``measure --launch`` with a start-up grid (one setting vLLM refuses), killed with SIGKILL after the LoRA
+    """``measure --launch`` with a start-up grid (one setting vLLM refuses: slots below the adapters' rank), killed with SIGKILL after the LoRA
     experiment (its server dies with it) and resumed; calibrate; three held-back runs predicted."""
     adapters = fd.write_adapters_csv(tmp_path / "adapters.csv")
     mdir = tmp_path / "m"
     cmd = _cli("measure", "--launch", launch_template(testbed), "--grid-max-loras", "2", "--grid-max-lora-rank",
-               "8,7", "--adapters", str(adapters), "--out", str(mdir), "--budget-min", "3", "--runs", "3")
+               "32,8", "--adapters", str(adapters), "--out", str(mdir), "--budget-min", "3", "--runs", "3")
     # first attempt: killed (SIGKILL, the main process alone) once the LoRA experiment is written
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
@@ -71,8 +71,10 @@ def test_measure_launch_calibrate_predict(testbed, servers, tmp_path: Path) -> N
     assert not healthy(launched), "the launched server outlived the killed measure"
     with (mdir / "startup.csv").open() as f:
         grid = {(r["max_loras"], r["max_lora_rank"]): r for r in csv.DictReader(f)}
-    assert grid[("2", "8")]["status"] == "ok" and grid[("2", "8")]["kv_cache_tokens"] == "2097152"
-    assert grid[("2", "7")]["status"] == "failed" and grid[("2", "7")]["error_type"] == "invalid_argument"
+    assert grid[("2", "32")]["status"] == "ok" and grid[("2", "32")]["kv_cache_tokens"] == "2097152"
+    # the served adapters have ranks up to 32: vLLM refuses to start with slots of rank 8
+    assert grid[("2", "8")]["status"] == "failed"
+    assert grid[("2", "8")]["error_type"] == "adapter_rank_above_max_lora_rank"
     # the killed client's open requests are aborted by the server when their connections close; measure
     # refuses a busy server, so give it a moment
     time.sleep(2)

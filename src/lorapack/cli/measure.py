@@ -60,7 +60,7 @@ def measure(
     from ..measure.run import measure as run_measure
 
     def say(text: str) -> None:
-        err_console.print(text, highlight=False, markup=False)
+        err_console.print(text, highlight=False, markup=False, soft_wrap=True)
 
     def progress(name: str, i: int, n: int) -> None:
         err_console.print(f"  {name}: {i}/{n}", highlight=False, markup=False)
@@ -84,4 +84,5 @@ def measure(
     if json_out:
         print_json(summary)
     else:
-        console.print(f"wrote {summary['out']}\nnext: {summary['calibrate']}", markup=False, highlight=False)
+        console.print(f"wrote {summary['out']}\nnext: {summary['calibrate']}", markup=False, highlight=False,
+                      soft_wrap=True)

@@ -26,6 +26,7 @@ REFUSALS = (
     ("kv_cache_insufficient", re.compile(r"larger than the available KV cache memory|KV cache is needed", re.I)),
     ("no_cache_blocks", re.compile(r"No available memory for the cache blocks|no available (KV )?cache", re.I)),
     ("cuda_oom", re.compile(r"CUDA out of memory|OutOfMemoryError", re.I)),
+    ("adapter_rank_above_max_lora_rank", re.compile(r"LoRA rank \d+ is greater than max_lora_rank", re.I)),
     ("invalid_argument", re.compile(r"max_lora_rank \(\d+\) must be one of|ValidationError|invalid choice|"
                                     r"error: argument", re.I)),
 )
