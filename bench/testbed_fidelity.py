@@ -39,7 +39,14 @@ def main() -> int:
     ap.add_argument("--repeat-measure", action="store_true", help="measure + calibrate a second time")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the measurements and profiles here")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "testbed_fidelity.json")
+    ap.add_argument("--rank-noise", default=None, metavar="K,K,...",
+                    help="only this: with --workdir of an earlier run (its measurement and profile reused), replay "
+                         "these held-back designs (0-based) three times each and compare the adapters' TTFT order "
+                         "between the replays (the server's own rank noise) and with the twin; writes "
+                         "bench/results/testbed_rank_noise.json")
     args = ap.parse_args()
+    if args.rank_noise is not None:
+        return rank_noise(args)
 
     from lorapack.calibrate.command import calibrate
     from lorapack.measure import experiments as ex
@@ -167,6 +174,62 @@ def main() -> int:
     if "repeat_measure" in out:
         print(f"repeat measure: same starved labels {out['repeat_measure']['same_starved_labels']:.3f}")
     print(f"wrote {args.out}")
+    return 0
+
+
+def rank_noise(args) -> int:
+    """The server's own noise in the order of the adapters' mean TTFTs (see ``--rank-noise``)."""
+    from itertools import combinations
+
+    from lorapack.measure import experiments as ex
+    from lorapack.measure import proof as fd
+    from lorapack.measure.probe import Http, Identity
+    from lorapack.measure.run import Store, capacity_rps, idle_service
+    from lorapack.profile import load_profile_file
+    from lorapack.testbed.env import find_testbed
+    from lorapack.testbed.server import start_server
+
+    if args.workdir is None or not (args.workdir / "profile-a.yaml").is_file():
+        print("--rank-noise needs --workdir of an earlier run (measure-a/, profile-a.yaml)", file=sys.stderr)
+        return 2
+    picks = [int(k) for k in args.rank_noise.split(",")]
+    mdir = args.workdir / "measure-a"
+    prof = load_profile_file(args.workdir / "profile-a.yaml")
+    store = Store(mdir)
+    ident = Identity(**store.meta["identity"])
+    server = start_server(find_testbed(), fd.server_adapters(), fd.SERVER_FLAGS, args.workdir / "logs")
+    out: dict = {"date": time.strftime("%Y-%m-%d"), "window_s": args.window_s, "designs": []}
+    try:
+        ctx = ex.Context(Http(server.url), ident, [(n, r) for n, r, _ in fd.adapter_names()], ex.Caps(), 0, 1.0,
+                         print)
+        runs = fd.held_back_runs(lambda n: capacity_rps(ctx, store, n, 128.0, 128.0), fd.HELD_BACK,
+                                 window_s=args.window_s)
+        solo = idle_service(mdir, ident.max_num_batched_tokens)
+        for k in picks:
+            run = runs[k]
+            reps = []
+            for i in range(3):
+                got = fd.replay_run(server.url, ident.model, run, ident, solo, repeat=i)
+                ex.wait_idle(Http(server.url))
+                reps.append(got)
+            twin = fd.predict_run(prof, run, reps[0]["arrivals"], ident)["adapter_ttft_ms"]
+            between = [fd.spearman(a["adapter_ttft_ms"], b["adapter_ttft_ms"]) for a, b in combinations(reps, 2)]
+            vs_twin = [fd.spearman(r["adapter_ttft_ms"], twin) for r in reps]
+            d = {"run_id": run.run_id, "n_adapters": len(run.adapters), "replay_vs_replay": between,
+                 "replay_vs_twin": vs_twin, "ttft_mean_ms": [r["row"]["ttft_mean_ms"] for r in reps]}
+            out["designs"].append(d)
+            print(f"{run.run_id}: Spearman replay vs replay {np.round(between, 2).tolist()}, replay vs twin "
+                  f"{np.round(vs_twin, 2).tolist()}", flush=True)
+    finally:
+        server.stop()
+    allb = [v for d in out["designs"] for v in d["replay_vs_replay"]]
+    allt = [v for d in out["designs"] for v in d["replay_vs_twin"]]
+    out["replay_vs_replay_median"] = float(np.nanmedian(allb))
+    out["replay_vs_twin_median"] = float(np.nanmedian(allt))
+    path = HERE / "results" / "testbed_rank_noise.json"
+    path.write_text(json.dumps(out, indent=2, default=float) + "\n")
+    print(f"median Spearman replay vs replay {out['replay_vs_replay_median']:.2f}, replay vs twin "
+          f"{out['replay_vs_twin_median']:.2f}; wrote {path}")
     return 0
 
 

@@ -138,6 +138,13 @@ def testbed_fidelity_figures() -> str:
             f"| Spearman of the adapters' mean TTFTs, runs with more adapters than slots (≥ 0.9 each) | min "
             f"{d['ttft_rank_spearman_min']:.2f}, median {d['ttft_rank_spearman_median']:.2f}; {below} of "
             f"{len(rho)} runs below 0.9 | `{name}` |"]
+    if (RESULTS / "testbed_rank_noise.json").is_file():
+        n = _load("testbed_rank_noise.json")
+        ids = ", ".join(f"{x['n_adapters']} adapters" for x in n["designs"])
+        between = [v for x in n["designs"] for v in x["replay_vs_replay"]]
+        rows.append(f"| the server's own rank noise: {len(n['designs'])} of those runs ({ids}) replayed three times "
+                    f"| Spearman replay vs replay median {n['replay_vs_replay_median']:.2f} (min {min(between):.2f}); "
+                    f"replay vs twin median {n['replay_vs_twin_median']:.2f} | `testbed_rank_noise.json` |")
     if rep:
         rows.append(f"| a second measurement (another seed): same starvation labels on the held-back runs | "
                     f"{100 * rep['same_starved_labels']:.1f} % | `{name}` |")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .probe import Http, Identity, MeasureError, scrape
+from .runs import ttft_ms
 from .traffic import closed_loop, tpot_ms
 
 
@@ -49,7 +50,6 @@ class Context:
     scale: float  # < 1 when the budget is tight: fewer repetitions everywhere
     log: Callable[[str], None]
     next_index: list[int] = field(default_factory=lambda: [1_000_000])  # request indices (distinct prompts)
-    step_ms_1: float = 10.0  # the engine's interval at concurrency 1 (warm-up), for planning
 
     def indices(self, n: int) -> int:
         first = self.next_index[0]
@@ -69,12 +69,6 @@ def _itl(recs) -> float:
     vals = [r.engine_itl_ms if np.isfinite(r.engine_itl_ms) else tpot_ms(r) for r in recs if r.status == 200]
     vals = [v for v in vals if np.isfinite(v)]
     return float(np.mean(vals)) if vals else float("nan")
-
-
-def _engine_ttft(r) -> float:
-    if np.isfinite(r.queue_ms) and np.isfinite(r.engine_ttft_ms):
-        return r.queue_ms + r.engine_ttft_ms
-    return 1000.0 * r.ttft_s
 
 
 def _check(recs, what: str) -> None:
@@ -105,9 +99,8 @@ def _loop(ctx: Context, adapters: Sequence[str | None], concurrency: int, per_wo
 
 
 def warm_up(ctx: Context) -> None:
-    """A few requests to the base model (first-request costs out of the way) and the step time at 1."""
-    res, _, _ = _loop(ctx, [None], 1, 3, 16, 32, "warm-up")
-    ctx.step_ms_1 = max(_itl(res.records), 0.1)
+    """A few requests to the base model: first-request costs out of the way before anything is timed."""
+    _loop(ctx, [None], 1, 3, 16, 32, "warm-up")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -138,7 +131,7 @@ def run_decode(ctx: Context, seconds: float, progress: Callable[[int, int], None
         res, steps, tokens = _loop(ctx, [None], b, 0, p, out, f"decode ladder, concurrency {b}", duration_s=slot)
         recs = res.records
         rows.append({"concurrency": b, "prompt_tokens": p, "output_tokens": out, "n_requests": len(recs),
-                     "itl_mean_ms": _itl(recs), "ttft_mean_ms": float(np.mean([_engine_ttft(r) for r in recs])),
+                     "itl_mean_ms": _itl(recs), "ttft_mean_ms": float(np.mean([ttft_ms(r) for r in recs])),
                      "wall_s": res.wall_s, "engine_steps": steps, "step_tokens": tokens,
                      "step_ms_mean": 1000.0 * res.wall_s / steps if steps else float("nan"),
                      "context_tokens_mean": p + out / 2.0})
@@ -165,9 +158,9 @@ def run_prefill(ctx: Context, seconds: float, progress: Callable[[int, int], Non
     for i, p in enumerate(lengths):
         res, _, _ = _loop(ctx, [None], 1, reps, p, 1, f"prefill, {p} prompt tokens")
         for r in res.records:
-            rows.append({"prompt_tokens": p, "chunks": math.ceil(p / budget), "ttft_ms": _engine_ttft(r),
+            rows.append({"prompt_tokens": p, "chunks": math.ceil(p / budget), "ttft_ms": ttft_ms(r),
                          "client_ttft_ms": 1000.0 * r.ttft_s,
-                         "frontend_ms": (1000.0 * r.ttft_s - _engine_ttft(r)) if np.isfinite(r.queue_ms)
+                         "frontend_ms": (1000.0 * r.ttft_s - ttft_ms(r)) if np.isfinite(r.queue_ms)
                          else float("nan")})
         progress(i + 1, len(lengths))
     return rows
@@ -243,7 +236,7 @@ def run_loading(ctx: Context, seconds: float, progress: Callable[[int, int], Non
 
     def ttft(adapter: str) -> float:
         res, _, _ = _loop(ctx, [adapter], 1, 1, 16, 1, f"loading, adapter {adapter}")
-        return _engine_ttft(res.records[0])
+        return ttft_ms(res.records[0])
 
     def touch(others: list[str]) -> None:
         for x in others:

@@ -299,12 +299,13 @@ def measure(url: str | None, adapters_csv: str | Path, out: str | Path, *, budge
     if out.exists() and not out.is_dir():
         raise MeasureError(f"--out {out}: exists and is not a directory")
     http = Http(url, api_key)
+    version(http)  # a vLLM server answers there (one line otherwise), before anything else is asked of it
+    sc = scrape(http)  # before the one probe request identify sends: a busy server gets none
+    if sc.running + sc.waiting > 0 and not force:
+        raise MeasureError(f"--url {url}: the server is busy ({sc.running:.0f} running, {sc.waiting:.0f} "
+                           "waiting requests); measure an idle server, or pass --force")
     ident, loaded = identify(http, adapters, Path(log) if log else None, server_args, say)
     try:
-        sc = scrape(http)
-        if sc.running + sc.waiting > 0 and not force:
-            raise MeasureError(f"--url {url}: the server is busy ({sc.running:.0f} running, {sc.waiting:.0f} "
-                               "waiting requests); measure an idle server, or pass --force")
         out = check_output_dir(out, "--out", create=True)  # created once the server answered
         budget_s = 60.0 * budget_min
         settings = {"seed": seed, "budget_min": budget_min, "caps": asdict(caps),
