@@ -1,5 +1,6 @@
-"""The designed experiments of ``lorapack measure`` (docs/profile-your-gpu.md): each sends its traffic, returns
-rows for one CSV of the measurement directory, and can say beforehand how long it will take.
+"""The designed experiments of ``lorapack measure`` (docs/profile-your-gpu.md): each sends its traffic within its
+share of the budget (``seconds``; the closed-loop points are time-boxed, prefill and loading are short fixed
+designs that finish well inside theirs) and returns rows for one CSV of the measurement directory.
 
 * ``decode``: closed-loop concurrency ladders (short prompts; then long prompts for the context term): the
   engine's inter-token interval against the running batch;
