@@ -114,7 +114,7 @@ def _is(col: str, value: str) -> Callable[[dict[str, str]], bool]:
     return lambda r: (r.get(col) or "").strip() == value
 
 
-def _fit_stats(y: np.ndarray, yhat: np.ndarray) -> dict[str, float | int]:
+def fit_stats(y: np.ndarray, yhat: np.ndarray) -> dict[str, float | int]:
     res = y - yhat
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     r2 = 1.0 - float(np.sum(res**2)) / ss_tot if ss_tot > 0 else math.nan
@@ -158,7 +158,7 @@ def fit_memory(mem: _Csv, default: _Csv, model: str, max_num_seqs: int) -> tuple
     x = np.column_stack([np.ones_like(a), -a * s, -a])
     t0, k, c = _ols(x, kv)
     pred = x @ np.array([t0, k, c])
-    stats = _fit_stats(kv, pred)
+    stats = fit_stats(kv, pred)
     stats["max_abs_err_tokens"] = float(np.max(np.abs(kv - pred)))
     stats["mean_rel_err"] = float(np.mean(np.abs(kv - pred) / kv))
 
@@ -198,7 +198,7 @@ def fit_decode(default: _Csv, model: str) -> tuple[float, float, dict]:
     x = np.column_stack([np.ones_like(b), b])
     c0, c1 = _ols(x, y)
     prov = {"method": "OLS mean_itl_ms ~ 1 + mean_batch_size, phase == decode",
-            "parameters": {"c0_ms": float(c0), "c1_ms_per_req": float(c1)}, **_fit_stats(y, x @ [c0, c1])}
+            "parameters": {"c0_ms": float(c0), "c1_ms_per_req": float(c1)}, **fit_stats(y, x @ [c0, c1])}
     # The alternative on the per-step log (twin.md §3.1 table), recorded for comparison only.
     logged = [r for r in rows if math.isfinite(_to_float(r["step_ms_mean"]))]
     if len(logged) >= 3:
@@ -206,7 +206,7 @@ def fit_decode(default: _Csv, model: str) -> tuple[float, float, dict]:
         yl = default.num(logged, "step_ms_mean", "logged decode")
         xl = np.column_stack([np.ones_like(bl), bl])
         a0, a1 = _ols(xl, yl)
-        prov["alt_step_log"] = {"c0_ms": float(a0), "c1_ms_per_req": float(a1), **_fit_stats(yl, xl @ [a0, a1])}
+        prov["alt_step_log"] = {"c0_ms": float(a0), "c1_ms_per_req": float(a1), **fit_stats(yl, xl @ [a0, a1])}
     return float(c0), float(c1), prov
 
 
@@ -224,7 +224,7 @@ def fit_prefill(default: _Csv, model: str, c0: float, budget: int) -> tuple[floa
     if len(rows) >= 2 and spread >= PREFILL_MIN_SPREAD:
         x = np.column_stack([np.ones_like(tps), tps])
         icpt, slope = _ols(x, step)
-        prov["slope_fit"] = {"intercept_ms": float(icpt), "slope": float(slope), **_fit_stats(step, x @ [icpt, slope])}
+        prov["slope_fit"] = {"intercept_ms": float(icpt), "slope": float(slope), **fit_stats(step, x @ [icpt, slope])}
         if slope > 0:
             prov.update(method="OLS slope of step_ms_mean on tokens per step (tokens/step spread "
                                f"{spread:.2f} of the budget)", p1=float(slope), n_points=len(rows))
@@ -281,7 +281,7 @@ def fit_lora_multiplicative(lora: _Csv, model: str) -> tuple[float, float, dict]
     k0, k1 = _ols(x, y)
     prov = {"method": "OLS itl_pct_of_baseline ~ 1 + L, kind == overhead_small; L = unique_adapters_mean "
                       f"({n_log} rows) else expected_unique_adapters_uniform ({len(rows) - n_log} rows)",
-            "parameters": {"k0_pct": float(k0), "k1_pct_per_adapter": float(k1)}, **_fit_stats(y, x @ [k0, k1])}
+            "parameters": {"k0_pct": float(k0), "k1_pct_per_adapter": float(k1)}, **fit_stats(y, x @ [k0, k1])}
     return float(k0), float(k1), prov
 
 
@@ -324,7 +324,7 @@ def fit_lora_additive(lora: _Csv, calib: _Csv | None, model: str, c0: float, c1:
         "method": f"{method} of ITL - (c0 + c1*B) ~ 1 + n_tok + L over overhead_small rows "
                   f"({len(y1)}) and ok calibration runs with waiting_max <= {NON_QUEUEING_WAITING_MAX:g} "
                   f"({len(y2)}); n_tok = B, L = min(A, N*(1-(1-1/N)^B)) for the runs",
-        "parameters": {"e0_ms": e0, "e1_ms_per_token": e1, "e2_ms_per_adapter": e2}, **_fit_stats(y, x @ coef)}
+        "parameters": {"e0_ms": e0, "e1_ms_per_token": e1, "e2_ms_per_adapter": e2}, **fit_stats(y, x @ coef)}
     # Same fit with the runs of one --max-lora-rank only: shows the rank dependence that gamma may absorb later
     # (the overhead rows are S = 8, the calibration runs S = 16 or 32). Recorded, not used.
     s = calib.num(crow, "max_lora_rank", what) if calib is not None and crow else np.zeros(0)
@@ -334,7 +334,7 @@ def fit_lora_additive(lora: _Csv, calib: _Csv | None, model: str, c0: float, c1:
         if keep.sum() >= 4:
             ca = _ols(x[keep], y[keep])
             alt[str(int(sv))] = {"e0_ms": float(ca[0]), "e1_ms_per_token": float(ca[1]),
-                                 "e2_ms_per_adapter": float(ca[2]), **_fit_stats(y[keep], x[keep] @ ca)}
+                                 "e2_ms_per_adapter": float(ca[2]), **fit_stats(y[keep], x[keep] @ ca)}
     if alt:
         prov["alt_ols_runs_of_one_max_lora_rank"] = alt
     return (e0, e1, e2), prov
@@ -373,7 +373,7 @@ def fit_scheduler(scheds: list[_Csv], baseline_ms: float = SCHED_BASELINE_MS) ->
                                       "avg_waiting_queue_x_gpu/cpu": float(beta[2])},
             "scaling_min": [float(v) for v in lo], "scaling_max": [float(v) for v in hi],
             "parameters": sm.model_dump(),
-            **_fit_stats(1000.0 * y, const_ms + raw @ slope_ms)}
+            **fit_stats(1000.0 * y, const_ms + raw @ slope_ms)}
     return sm, prov
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from scipy.optimize import lsq_linear
 
 from .. import __version__
+from ..calibrate.priors import fit_stats, plain_scalars
 from ..errors import DataError
 from ..profile import (
     DiskPoint,
@@ -82,13 +83,6 @@ def _nonneg_lsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return lsq_linear(x, y, bounds=(0.0, np.inf), method="bvls").x
 
 
-def _stats(y: np.ndarray, yhat: np.ndarray) -> dict[str, float | int]:
-    res = y - yhat
-    ss = float(np.sum((y - y.mean()) ** 2))
-    return {"n_points": int(len(y)), "rmse": float(np.sqrt(np.mean(res**2))) if len(y) else math.nan,
-            "r2": 1.0 - float(np.sum(res**2)) / ss if ss > 0 else math.nan}
-
-
 def fit_decode(rows: list[dict]) -> tuple[float, float, float, dict]:
     b, y, ctx = _f(rows, "concurrency"), _f(rows, "itl_mean_ms"), _f(rows, "context_tokens_mean")
     ok = np.isfinite(b) & np.isfinite(y) & np.isfinite(ctx)
@@ -100,7 +94,7 @@ def fit_decode(rows: list[dict]) -> tuple[float, float, float, dict]:
     c0, c1, a3 = (float(v) for v in coef)
     return c0, c1, a3, {"method": "least squares (>= 0) of itl_mean_ms ~ 1 + B + B*ctx/1000 over decode.csv",
                         "parameters": {"c0_ms": c0, "c1_ms_per_req": c1, "a3_ms_per_kctx": a3},
-                        **_stats(y, x @ coef)}
+                        **fit_stats(y, x @ coef)}
 
 
 def fit_prefill(rows: list[dict], c0: float, c1: float) -> tuple[float, dict]:
@@ -115,7 +109,7 @@ def fit_prefill(rows: list[dict], c0: float, c1: float) -> tuple[float, dict]:
     y = med - chunks * (c0 + c1)
     slope = float(_nonneg_lsq(pv[:, None], y)[0])
     return slope, {"method": "least squares (>= 0, no intercept) of median ttft - chunks*(c0 + c1) on prompt "
-                             "tokens over prefill.csv", "p1": slope, **_stats(y, slope * pv)}
+                             "tokens over prefill.csv", "p1": slope, **fit_stats(y, slope * pv)}
 
 
 def fit_lora(rows: list[dict]) -> tuple[tuple[float, float, float], dict]:
@@ -129,7 +123,7 @@ def fit_lora(rows: list[dict]) -> tuple[tuple[float, float, float], dict]:
     return (e0, e1, e2), {"method": "least squares (>= 0) of itl - base itl ~ 1 + B + L over lora.csv, at the "
                                     "server's slot rank (gamma 0)",
                           "parameters": {"e0_ms": e0, "e1_ms_per_token": e1, "e2_ms_per_adapter": e2},
-                          **_stats(y[ok], x @ coef)}
+                          **fit_stats(y[ok], x @ coef)}
 
 
 def lora_anchors(mdir: Path) -> list[dict]:
@@ -188,7 +182,7 @@ def fit_memory(ident: dict, startup_rows: list[dict]) -> tuple[MemoryModel, dict
         t0, k, c = (float(v) for v in coef)
         prov = {"method": "OLS kv_cache_tokens ~ 1 + (-A*S) + (-A) over the start-up grid (startup.csv)",
                 "parameters": {"kv_tokens_base": t0, "kv_tokens_per_slot_rank": k, "kv_tokens_per_slot": c},
-                **_stats(kvv, x @ coef)}
+                **fit_stats(kvv, x @ coef)}
     else:
         t0, k, c = float(kv), 0.0, 0.0
         prov = {"method": "the KV capacity the server reported at its own --max-loras/--max-lora-rank; no start-up "
@@ -238,8 +232,6 @@ def fit_measured(mdir: str | Path, model: str | None = None, gpu: str | None = N
                  "scheduler": {"method": "zero: measured from outside, the scheduler's time is inside every "
                                          "measured interval"}},
     }
-    from ..calibrate.priors import plain_scalars
-
     return Profile(
         model=model or model_label(ident["model"]), gpu=gpu or (ident.get("device") or "unknown-device"),
         vllm_version=str(ident["vllm_version"]), max_model_len=int(ident["max_model_len"]),

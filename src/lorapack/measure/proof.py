@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..realruns import smape  # noqa: F401 - the project's SMAPE, re-exported for the bench
 from .runs import RunAdapter, per_adapter_ttft, run_once, run_row
 
 MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS = 4, 32, 12
@@ -99,8 +98,8 @@ def predict_run(profile, run: HeldBackRun, arrivals, identity) -> dict:
     from ..server import ServerConfig
     from ..testbed.replay import twin_replay
 
-    ids = [a.adapter_id for a in adapter_names_as_runadapters()]
-    ranks = [a.rank for a in adapter_names_as_runadapters()]
+    ids = [name for name, _, _ in adapter_names()]  # the server's registration order
+    ranks = [rank for _, rank, _ in adapter_names()]
     flags = ServerConfig(max_loras=identity.max_loras, max_lora_rank=identity.max_lora_rank,
                          max_cpu_loras=identity.max_cpu_loras, max_num_seqs=identity.max_num_seqs,
                          max_num_batched_tokens=identity.max_num_batched_tokens, client_cap=0)
@@ -114,10 +113,6 @@ def predict_run(profile, run: HeldBackRun, arrivals, identity) -> dict:
     return {"throughput_tok_s": metrics.throughput_tok_s, "ttft_mean_ms": metrics.ttft_mean_ms,
             "starved": bool(metrics.starved), "throughput_ratio": metrics.throughput_ratio,
             "adapter_ttft_ms": {k: float(np.mean(v)) + front for k, v in by.items()}}
-
-
-def adapter_names_as_runadapters() -> list[RunAdapter]:
-    return [RunAdapter(n, r, 0.0) for n, r, _ in adapter_names()]
 
 
 def spearman(a: dict[str, float], b: dict[str, float]) -> float:
