@@ -61,17 +61,20 @@ package.
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
+from ..errors import SpecError
 from ..guards import Limits, check_engine
 from . import gaps as _gaps_mod
 from . import steptime as _steptime_mod
 from .jitcache import cached_njit
-from .types import TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays
+from .types import INT32_MAX, TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays
 
 _compute_ms = cached_njit()(_steptime_mod.compute_ms)
 _sched_ms = cached_njit()(_steptime_mod.sched_ms)
@@ -106,6 +109,7 @@ COUNTERS = np.dtype([
     ("sched_s", np.float64),
     ("load_s", np.float64),
     ("running_lo", np.int64),  # the running list is slots running_lo .. running_lo + n_running - 1
+    ("n_known", np.int64),  # requests in the arrays (a batch run: all; a live run: added so far)
 ], align=True)
 
 class ServerLimits(NamedTuple):
@@ -126,6 +130,13 @@ class ServerLimits(NamedTuple):
     adapter_order: np.ndarray  # [adapter] position in the order the worker walks a batch's adapters
     lru_protects_batch: bool  # True: eviction never picks an adapter of the current batch (no cascade)
     admission_running: bool  # max_loras rule: True = adapters of all running requests count (vLLM 0.33)
+    # a live run (``Engine.live``): more arrivals may come, so an idle engine waits until the caller's stop time
+    # instead of jumping to the end of the window
+    live: bool = False
+    # the pseudo-adapter of requests for the base model (a live server's; -1: none): it never joins a batch's
+    # adapters (no slot, no load, no LoRA cost, not counted by the max_loras rule) and is always "active", so
+    # its requests may join a batch that already has max_loras adapters (vLLM checks only LoRA requests)
+    base_adapter: int = -1
 
 class Requests(NamedTuple):
     """Per request: the arrivals (inputs) and their state."""
@@ -296,7 +307,7 @@ def _add_arrivals(lim, st):
     """Inject the arrivals up to now at the waiting tail; the client cap holds them back instead."""
     c = st.counters[0]
     req = st.requests
-    n = req.t_arr_s.shape[0]
+    n = c.n_known
     t = c.t_s
     while c.next_arrival_index < n and req.t_arr_s[c.next_arrival_index] <= t:
         r = c.next_arrival_index
@@ -359,6 +370,8 @@ def _add_to_batch(lim, st, stamp_base, a, n_adapters, n_missing):
     GPU slot). A scheduled request stays scheduled (preemption takes requests not scheduled yet), and no
     adapter moves before ``_activate_adapters``. Stamps of earlier steps are below ``stamp_base``."""
     ad = st.adapters
+    if a == lim.base_adapter:
+        return n_adapters, n_missing
     old = ad.last_touch[a]
     if old < stamp_base:  # not in this step's batch yet
         ad.batch[n_adapters] = a
@@ -690,7 +703,7 @@ def _update_from_output(lim, st, n_scheduled, t_end_s):
 
 
 @njit(inline="always")
-def _step(lim, st):
+def _step(lim, st, t_stop_s):
     """One iteration of the engine loop: arrivals, schedule, adapters, step time, update."""
     c = st.counters[0]
     _emit_samples(lim, st, True)
@@ -702,8 +715,10 @@ def _step(lim, st):
     if n_scheduled == 0:  # idle: jump to the next arrival (no step time charged)
         req = st.requests
         nxt = c.next_arrival_index
-        if nxt < req.t_arr_s.shape[0] and req.t_arr_s[nxt] > c.t_s:
+        if nxt < c.n_known and req.t_arr_s[nxt] > c.t_s:
             c.t_s = req.t_arr_s[nxt]
+        elif lim.live:  # arrivals not known yet may come before the stop time: wait there
+            c.t_s = max(c.t_s, min(t_stop_s, lim.duration_s))
         else:
             c.t_s = lim.duration_s
         return
@@ -732,7 +747,7 @@ def _advance(lim, st, t_stop_s):
     c = st.counters[0]
     t_end_loop_s = min(t_stop_s, lim.duration_s)
     while c.t_s < t_end_loop_s:
-        _step(lim, st)
+        _step(lim, st, t_stop_s)
     if c.t_s >= lim.duration_s:  # the run is over: the remaining samples show the final state
         _emit_samples(lim, st, False)
 
@@ -742,7 +757,7 @@ def _advance_python(lim: ServerLimits, st: EngineState, t_stop_s: float) -> None
     c = st.counters[0]
     t_end_loop_s = min(t_stop_s, lim.duration_s)
     while c.t_s < t_end_loop_s:
-        _step.py_func(lim, st)
+        _step.py_func(lim, st, t_stop_s)
     if c.t_s >= lim.duration_s:
         _emit_samples(lim, st, False)
 
@@ -754,8 +769,11 @@ def _timeline_samples(duration_s: float, timeline_dt_s: float) -> int:
     return n
 
 
-def new_state(cfg: EngineConfig, req: RequestArrays) -> EngineState:
-    """All arrays of one run, with the warm-start adapter caches (semantics doc, "State")."""
+def new_state(cfg: EngineConfig, req: RequestArrays, live: bool = False) -> EngineState:
+    """All arrays of one run, with the warm-start adapter caches (semantics doc, "State").
+
+    ``live``: ``req`` is only room for requests to come (``Engine.live``): none is known yet, the running list
+    is sized for the longest one the server allows, and there is no timeline (a live run has no end)."""
     n, n_ad = len(req), cfg.n_adapters
     max_loras, max_cpu_loras = int(cfg.max_loras), int(cfg.max_cpu_loras)
     size = 1
@@ -771,7 +789,8 @@ def new_state(cfg: EngineConfig, req: RequestArrays) -> EngineState:
         prev=np.full(n, -1, np.int64), all_key=np.full(2 * size, INF_KEY, np.int64),
         all_adapter=np.full(2 * size, -1, np.int64), active_key=np.full(2 * size, INF_KEY, np.int64),
         active_adapter=np.full(2 * size, -1, np.int64))
-    cap = 2 * (min(n, int(cfg.max_num_seqs)) + 1)  # the window over twice the longest list
+    # the window over twice the longest list (every running request holds at least one KV block)
+    cap = 2 * (min(int(cfg.max_num_seqs), int(cfg.kv_blocks)) if live else min(n, int(cfg.max_num_seqs))) + 2
     # adapter indices unsigned (N < 2**32): the compiled code indexes with them without a negative-index fix-up
     running = RunningSlots(*(np.full(cap, np.nan) if f == "t_last_token_s" else
                              np.zeros(cap, np.uint32 if f == "adapter" else np.int64) for f in RunningSlots._fields))
@@ -785,6 +804,7 @@ def new_state(cfg: EngineConfig, req: RequestArrays) -> EngineState:
     counters = np.zeros(1, COUNTERS).view(np.recarray)  # records with attribute access, in Python too
     c = counters[0]
     c.free_kv_blocks = int(cfg.kv_blocks)
+    c.n_known = 0 if live else n
     n_cpu = 0
     if cfg.warm_cpu:  # the last registered adapters
         warm = np.arange(n_ad - min(max_cpu_loras, n_ad), n_ad)
@@ -801,7 +821,8 @@ def new_state(cfg: EngineConfig, req: RequestArrays) -> EngineState:
         adapters.cpu_slots[n_cpu:n_cpu + len(also_cpu)] = also_cpu
         n_cpu += len(also_cpu)
     c.n_cpu_resident = n_cpu
-    timeline = np.zeros((_timeline_samples(float(cfg.duration_s), float(cfg.timeline_dt_s)), len(TIMELINE_COLUMNS)))
+    n_samples = 0 if live else _timeline_samples(float(cfg.duration_s), float(cfg.timeline_dt_s))
+    timeline = np.zeros((n_samples, len(TIMELINE_COLUMNS)))
     return EngineState(requests, queue, running, adapters, timeline, _gaps_mod.new_histogram(), counters)
 
 
@@ -813,6 +834,69 @@ def server_limits(cfg: EngineConfig) -> ServerLimits:
         duration_s=float(cfg.duration_s), timeline_dt_s=float(cfg.timeline_dt_s), step_coef=cfg.step_coef,
         load_ms=cfg.load_ms, disk_ms=cfg.disk_ms, adapter_order=cfg.adapter_walk_order(),
         lru_protects_batch=bool(cfg.lru_protects_batch), admission_running=cfg.admission == "running")
+
+
+LIVE_MIN_CAPACITY = 64  # first size of a live engine's request arrays
+
+
+@dataclass
+class _LiveBook:
+    """What a live engine keeps beside the arrays: each index's request id, whether its result was drained."""
+
+    ids: np.ndarray  # [index] request id, increasing with the index
+    drained: np.ndarray  # [index] returned by drain_finished: may leave the arrays
+    next_id: int = 0
+    last_arrival_s: float = 0.0
+    stop_s: float = 0.0  # the latest advance_to time: no arrival may come before it
+    abort_pending: set = field(default_factory=set)  # ids aborted before they were injected
+
+
+def _room_for(capacity: int) -> RequestArrays:
+    """Request arrays of ``capacity`` placeholder requests (a live engine fills them as requests come)."""
+    ones = np.ones(capacity, np.int32)
+    return RequestArrays(np.zeros(capacity), np.zeros(capacity, np.int32), ones, ones.copy())
+
+
+@cached_njit(_nrt=False)
+def _abort(lim, st, r):
+    """vLLM's ``finish_requests(..., FINISHED_ABORTED)`` between two steps: request ``r`` leaves the waiting queue
+    or the running list (freeing its KV blocks; the requests after it move up, keeping their order)."""
+    c = st.counters[0]
+    req, q, run, ad = st.requests, st.queue, st.running, st.adapters
+    a = req.adapter[r]
+    if req.status[r] == WAITING:
+        p, nx = q.prev[r], q.next[r]
+        if nx >= 0:
+            q.prev[nx] = p
+        else:
+            q.tail[a] = p
+        if p >= 0:
+            q.next[p] = nx
+        else:
+            q.head[a] = nx
+            _publish_head(st, a)
+        q.next[r] = -1
+        q.prev[r] = -1
+        c.n_waiting -= 1
+    elif req.status[r] == RUNNING:
+        lo = _running_lo(st)
+        i = 0
+        while run.request[lo + i] != r:
+            i += 1
+        k = lo + i
+        req.output_tokens_done[r] = run.output_tokens[k]
+        c.free_kv_blocks += run.kv_blocks[k]
+        for j in range(i, c.n_running - 1):
+            _move_slot(run, lo + j, lo + j + 1)
+        c.n_running -= 1
+        ad.n_running[a] -= 1
+        if ad.n_running[a] == 0:
+            c.n_active_adapters -= 1
+            _publish_head(st, a)
+    else:
+        return
+    req.status[r] = FINISHED
+    c.inflight_tokens -= req.prompt_tokens[r] + req.output_tokens[r]
 
 
 class Engine:
@@ -830,6 +914,37 @@ class Engine:
         self.server = server_limits(cfg)
         self.state = new_state(cfg, req)
         self._advance = _advance if compiled else _advance_python
+        self._live: _LiveBook | None = None
+
+    @classmethod
+    def live(cls, cfg: EngineConfig, capacity: int = LIVE_MIN_CAPACITY, compiled: bool = True,
+             base_adapter: int | None = None) -> Engine:
+        """An engine whose requests arrive while it runs (``add_request``), over a run without end.
+
+        ``cfg.duration_s`` is ignored (the window is unbounded) and there is no timeline. Finished requests
+        leave the arrays once ``drain_finished`` has returned them, so memory stays bounded by the requests
+        in flight (``capacity`` is only the first size of the arrays; they grow as needed). For the same
+        arrivals a live run and a batch run give bit-identical per-request results (the step code is the
+        same; docs/engine-semantics.md).
+
+        ``base_adapter``: the index of a pseudo-adapter standing for the base model (``ServerLimits.base_adapter``;
+        its load times are not used). It counts as always running (a phantom request in ``AdapterCaches.n_running``
+        that never finishes), which keeps it out of ``n_active_adapters`` and in the tree of admissible heads."""
+        cfg.check()
+        if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or capacity < 1:
+            raise SpecError(f"capacity {capacity!r}: expected an integer >= 1")
+        base = -1 if base_adapter is None else int(base_adapter)
+        if base_adapter is not None and not 0 <= base < cfg.n_adapters:
+            raise SpecError(f"base_adapter {base_adapter!r}: expected an adapter index in [0, {cfg.n_adapters - 1}]")
+        eng = cls.__new__(cls)
+        eng.cfg, eng.req = cfg, None
+        eng.server = server_limits(cfg)._replace(duration_s=math.inf, live=True, base_adapter=base)
+        eng.state = new_state(cfg, _room_for(int(capacity)), live=True)
+        if base >= 0:
+            eng.state.adapters.n_running[base] = 1
+        eng._advance = _advance if compiled else _advance_python
+        eng._live = _LiveBook(ids=np.zeros(int(capacity), np.int64), drained=np.zeros(int(capacity), np.bool_))
+        return eng
 
     @property
     def counters(self) -> np.void:
@@ -845,8 +960,169 @@ class Engine:
         return self.t_s >= self.cfg.duration_s
 
     def advance_to(self, t_stop_s: float) -> Engine:
-        self._advance(self.server, self.state, float(t_stop_s))
+        t_stop_s = float(t_stop_s)
+        if self._live is not None:
+            if not math.isfinite(t_stop_s):
+                raise SpecError(f"advance_to({t_stop_s}): a live run has no end; expected a finite time")
+            self._live.stop_s = max(self._live.stop_s, t_stop_s)
+        self._advance(self.server, self.state, t_stop_s)
+        if self._live is not None and self._live.abort_pending:
+            self._settle_aborts()
         return self
+
+    # ---- a live run: requests added while the engine runs ------------------------------------------
+
+    def add_request(self, t_arr_s: float, adapter: int, prompt_tokens: int, output_tokens: int) -> int:
+        """Add one arrival to a live engine (``Engine.live``); returns its id (0, 1, 2, ... in order of adding).
+
+        Arrivals come in time order and not before the latest ``advance_to`` time: a step that started before
+        ``t_arr_s`` must not have missed the request (a request arriving during a step joins at the next step,
+        as in a batch run). ``SpecError`` otherwise."""
+        book = self._need_live("add_request")
+        t = float(t_arr_s)
+        if not math.isfinite(t) or t < max(book.last_arrival_s, book.stop_s):
+            raise SpecError(f"t_arr_s {t_arr_s!r}: expected a finite time >= {max(book.last_arrival_s, book.stop_s)} "
+                            f"s (the previous arrival and the latest advance_to time)")
+        n_adapters = self.cfg.n_adapters
+        if isinstance(adapter, bool) or not isinstance(adapter, int | np.integer) or not 0 <= adapter < n_adapters:
+            raise SpecError(f"adapter {adapter!r}: expected an adapter index in [0, {n_adapters - 1}]")
+        for name, v in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or not 1 <= v <= INT32_MAX:
+                raise SpecError(f"{name} {v!r}: expected a token count in [1, {INT32_MAX}]")
+        c = self.counters
+        if int(c["n_known"]) == len(book.ids):
+            self._make_room()
+            c = self.counters
+        r = int(c["n_known"])
+        req = self.state.requests
+        req.t_arr_s[r], req.adapter[r] = t, adapter
+        req.prompt_tokens[r], req.output_tokens[r] = prompt_tokens, output_tokens
+        req.status[r], req.queue_key[r], req.output_tokens_done[r], req.n_preempted[r] = 0, 0, 0, 0
+        req.t_sent_s[r] = req.t_first_s[r] = req.t_last_token_s[r] = req.t_finish_s[r] = np.nan
+        self.state.queue.next[r] = self.state.queue.prev[r] = -1
+        book.ids[r], book.drained[r] = book.next_id, False
+        book.next_id += 1
+        book.last_arrival_s = t
+        c["n_known"] = r + 1
+        return int(book.ids[r])
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a request, as vLLM's ``abort_requests`` between two steps: a waiting one leaves the queue, a
+        running one frees its KV blocks and leaves the running list (the others keep their order). Its
+        ``t_finish_s`` stays NaN. A request not injected yet is dropped when it is (next ``advance_to``).
+        Returns False if the request already finished or is unknown."""
+        book = self._need_live("abort")
+        r = self._index(request_id)
+        if r < 0 or self.state.requests.status[r] == FINISHED:
+            return False
+        if self.state.requests.status[r] == 0:
+            book.abort_pending.add(int(request_id))
+            return True
+        _abort(self.server, self.state, r)
+        return True
+
+    def outputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(ids, output tokens produced so far, status)`` of every request not yet drained (status: 0 not
+        injected yet, 1 waiting, 2 running, 3 finished or aborted), as of ``t_s``: the end of the last step,
+        which may lie past the latest ``advance_to`` time (a step that starts before it runs to its end). A
+        streaming server sends each request's new tokens from this once its clock reaches ``t_s``."""
+        book = self._need_live("outputs")
+        self._settle_aborts()
+        n = int(self.counters["n_known"])
+        req, run = self.state.requests, self.state.running
+        produced = req.output_tokens_done[:n].copy()
+        lo, n_run = int(self.counters["running_lo"]), int(self.counters["n_running"])
+        produced[run.request[lo:lo + n_run]] = run.output_tokens[lo:lo + n_run]
+        keep = ~book.drained[:n]
+        return book.ids[:n][keep].copy(), produced[keep], req.status[:n][keep].copy()
+
+    def drain_finished(self) -> dict[str, np.ndarray]:
+        """The requests that finished (or were aborted) since the last call, per-request arrays by column:
+        ``id``, ``adapter``, ``prompt_tokens``, ``output_tokens``, ``t_arr_s``, ``t_sent_s``, ``t_first_s``,
+        ``t_finish_s`` (NaN: aborted), ``n_preempted``. They may then leave the engine's arrays."""
+        book = self._need_live("drain_finished")
+        self._settle_aborts()
+        n = int(self.counters["n_known"])
+        req = self.state.requests
+        new = (req.status[:n] == FINISHED) & ~book.drained[:n]
+        idx = np.flatnonzero(new)
+        book.drained[idx] = True
+        return {"id": book.ids[idx].copy(), "adapter": req.adapter[idx].copy(),
+                "prompt_tokens": req.prompt_tokens[idx].copy(), "output_tokens": req.output_tokens[idx].copy(),
+                "t_arr_s": req.t_arr_s[idx].copy(), "t_sent_s": req.t_sent_s[idx].copy(),
+                "t_first_s": req.t_first_s[idx].copy(), "t_finish_s": req.t_finish_s[idx].copy(),
+                "n_preempted": req.n_preempted[idx].copy()}
+
+    @property
+    def capacity(self) -> int:
+        """Room for requests in the arrays (a live engine grows it only when the requests in flight need it)."""
+        return len(self.state.requests.t_arr_s)
+
+    def _need_live(self, what: str) -> _LiveBook:
+        if self._live is None:
+            raise SpecError(f"Engine.{what}: only a live engine takes requests while it runs (Engine.live(cfg))")
+        return self._live
+
+    def _index(self, request_id: int) -> int:
+        """The array index of a request id (ids grow with the index: a binary search), or -1."""
+        n = int(self.counters["n_known"])
+        ids = self._live.ids[:n]
+        r = int(np.searchsorted(ids, request_id))
+        return r if r < n and ids[r] == request_id else -1
+
+    def _settle_aborts(self) -> None:
+        book = self._live
+        for request_id in list(book.abort_pending):
+            r = self._index(request_id)
+            if r < 0 or self.state.requests.status[r] != 0:
+                book.abort_pending.discard(request_id)
+                if r >= 0 and self.state.requests.status[r] != FINISHED:
+                    _abort(self.server, self.state, r)
+
+    def _make_room(self) -> None:
+        """Drop the drained requests from the arrays, keeping the others' order (the queue keys of arrivals
+        are their indices: renumbering in order keeps the queue order), and double the arrays if the requests
+        in flight fill more than half of them."""
+        book, st = self._live, self.state
+        c = self.counters
+        n = int(c["n_known"])
+        keep = np.flatnonzero(~(book.drained[:n] & (st.requests.status[:n] == FINISHED)))
+        n_keep = len(keep)
+        new_of_old = np.full(n, -1, np.int64)
+        new_of_old[keep] = np.arange(n_keep)
+        cap = len(book.ids) * (2 if 2 * n_keep > len(book.ids) else 1)
+
+        def remap(values: np.ndarray) -> np.ndarray:  # request indices (or keys) >= 0 renumbered; -1 stays
+            out = values.copy()
+            m = (values >= 0) & (values < n)
+            out[m] = new_of_old[values[m]]
+            return out
+
+        def gather(a: np.ndarray, fill) -> np.ndarray:
+            out = np.full(cap, fill, a.dtype)
+            out[:n_keep] = a[keep]
+            return out
+
+        req = st.requests
+        requests = Requests(*(gather(getattr(req, f), np.nan if getattr(req, f).dtype.kind == "f" else
+                                     (1 if f in ("prompt_tokens", "output_tokens") else 0))
+                              for f in Requests._fields))
+        waiting_key = requests.queue_key[:n_keep]
+        waiting_key[:] = remap(waiting_key)  # victims' keys are negative: unchanged
+        q = st.queue
+        queue = WaitingQueue(head=remap(q.head), tail=remap(q.tail), next=remap(gather(q.next, -1)),
+                             prev=remap(gather(q.prev, -1)), all_key=remap(q.all_key), all_adapter=q.all_adapter,
+                             active_key=remap(q.active_key), active_adapter=q.active_adapter)
+        lo, n_run = int(c["running_lo"]), int(c["n_running"])
+        st.running.request[lo:lo + n_run] = new_of_old[st.running.request[lo:lo + n_run]]
+        self.state = st._replace(requests=requests, queue=queue)
+        c = self.counters
+        c["next_arrival_index"] = int(np.searchsorted(keep, int(c["next_arrival_index"])))
+        c["held_end_index"] = int(np.searchsorted(keep, int(c["held_end_index"])))
+        c["n_known"] = n_keep
+        ids, drained = np.zeros(cap, np.int64), np.zeros(cap, np.bool_)
+        ids[:n_keep], drained[:n_keep] = book.ids[keep], book.drained[keep]
+        book.ids, book.drained = ids, drained
 
     def snapshot(self) -> dict:
         """Counters a router or an early-stop rule may look at (cheap: no per-request work)."""
@@ -871,6 +1147,8 @@ class Engine:
         }
 
     def result(self) -> EngineResult:
+        if self._live is not None:
+            raise SpecError("Engine.result: a live run has no end; its requests' results come from drain_finished()")
         c, req = self.counters, self.state.requests
         n_rows = int(c["next_sample"])
         return EngineResult(
