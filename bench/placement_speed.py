@@ -87,7 +87,15 @@ def median_ms(fn, reps: int) -> tuple[float, list[float], object]:
 
 
 def bench_instance(name: str, n: int, total: float, prof, learned: dict, args) -> dict:
-    from lorapack.placement import Context, Objective, assign, lower_bound, place
+    from lorapack.placement import (
+        Context,
+        Objective,
+        OracleOverrides,
+        PlaceConfig,
+        assign,
+        lower_bound,
+        place,
+    )
     from lorapack.placement.oracles import exact_oracle
 
     obj = Objective()
@@ -107,8 +115,8 @@ def bench_instance(name: str, n: int, total: float, prof, learned: dict, args) -
 
     def run_place(method, oracle, reps):
         def once():
-            p = place(inst, prof, method, objective=obj, verify=False, oracle=oracle, workers=args.workers,
-                      capacity=capacity)
+            p = place(inst, prof, PlaceConfig(method=method, objective=obj, verify=False, workers=args.workers),
+                      OracleOverrides(oracle=oracle, capacity=capacity))
             p.diagnostics["simulations"] = getattr(oracle, "n_simulations", None)
             return p, p.placement_ms
         return median_ms(once, reps)
@@ -131,8 +139,8 @@ def bench_instance(name: str, n: int, total: float, prof, learned: dict, args) -
             _med, one, plan = run_place("proposed-exact", exact_oracle(workers=args.workers), 1)
             times.append(one[0])
         t1 = time.perf_counter()
-        verified = place(inst, prof, "proposed-exact", objective=obj, verify=True, workers=args.workers,
-                         capacity=capacity)
+        verified = place(inst, prof, PlaceConfig(method="proposed-exact", objective=obj, workers=args.workers),
+                         OracleOverrides(capacity=capacity))
         rows["proposed-exact"] = {
             "available": True, "placement_ms": statistics.median(times), "times_ms": times,
             "gpus_used": plan.gpus_used, "simulations": plan.diagnostics.get("simulations"),

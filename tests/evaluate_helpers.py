@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from lorapack.evaluate.methods import Bounds, PlaceRequest
-from lorapack.evaluate.replay import LatencyObjective
+from lorapack.objective import Objective
 from lorapack.oracle import default_slot_rank
 from lorapack.placement.plan import GpuPlan, Plan
 from lorapack.server import ServerConfig
@@ -47,10 +47,10 @@ class ToyPlacer:
     def sizes_itself(self, method: str) -> bool:
         return method in self.pack
 
-    def objective(self, name: str, limits: LatencyObjective | None) -> LatencyObjective:
+    def objective(self, name: str, limits: Objective | None) -> Objective:
         if name == "throughput":
-            return LatencyObjective()
-        return limits or LatencyObjective(max_ttft_s=30.0)
+            return Objective.throughput()
+        return limits or Objective(max_ttft_s=30.0)
 
     def _tau(self, workload) -> float:
         return workload.lengths.mean_input_tokens + workload.lengths.mean_output_tokens

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from lorapack.oracle import GpuCandidate, Prediction
-from lorapack.placement import make_instance
+from lorapack.placement import OracleOverrides, PlaceConfig, Plan, make_instance, place
 from lorapack.profile import find_profile
 
 LLAMA = find_profile("llama-3.1-8b-instruct")
@@ -56,7 +56,14 @@ def instance(rates, ranks=None, headroom: float = 0.0, ids=None):
     return make_instance(ids, ranks, rates, mean_input_tokens=223, mean_output_tokens=197, headroom=headroom)
 
 
+def run_place(adapters, profile, method: str = "proposed", **kw) -> Plan:
+    """``place()`` with one keyword list, split into its ``PlaceConfig`` and ``OracleOverrides``."""
+    swaps = {k: kw.pop(k) for k in list(kw) if k in OracleOverrides.__dataclass_fields__}
+    progress = kw.pop("progress", None)
+    return place(adapters, profile, PlaceConfig(method=method, **kw), OracleOverrides(**swaps), progress)
+
+
 def toy_kwargs(cap_rps: float, **kw) -> dict:
-    """``place()`` keywords that swap every twin use for the toy oracle (no simulation)."""
+    """``run_place`` keywords that swap every twin use for the toy oracle (no simulation)."""
     toy = ToyOracle(cap_rps, **kw)
     return dict(oracle=toy, search_oracle=toy, verify_oracle=toy, capacity=toy_capacity(cap_rps), workers=1)

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from evaluate_helpers import ToyPlacer, write_trace
 from lorapack.errors import SpecError
-from lorapack.evaluate.replay import LatencyObjective, Replayer, split_plan
+from lorapack.evaluate.replay import Replayer, split_plan
 from lorapack.evaluate.runner import evaluate_scenarios, smallest_clean_pool
 from lorapack.evaluate.scenario import load_scenarios
+from lorapack.objective import Objective
 from lorapack.placement.plan import GpuPlan, Plan
 from lorapack.profile import find_profile
 from lorapack.server import ServerConfig
@@ -230,17 +231,17 @@ def test_a_starved_adapter_makes_a_replay_unclean():
                          starved_adapters=starved_adapters, decode_gaps=1000, decode_span_s=20.0,
                          ttft_samples_s=np.full(100, 0.1, dtype=np.float32))
 
-    assert FleetReplay([gpu([]), gpu([])], 600.0, LatencyObjective()).clean
+    assert FleetReplay([gpu([]), gpu([])], 600.0, Objective.throughput()).clean
     # the GPU keeps up overall (not starved) while one of its adapters waits: no request may starve
-    rep = FleetReplay([gpu([]), gpu(["a3"])], 600.0, LatencyObjective())
+    rep = FleetReplay([gpu([]), gpu(["a3"])], 600.0, Objective.throughput())
     assert rep.starved_gpus == 0 and rep.starved_adapters == 1 and not rep.clean
 
 
 def test_latency_objective_and_fleet_metrics(trace, profile):
     d = _derive(trace, n_adapters=8, load_scale=3.0)
     plan = _plan(d, profile, [d.adapter_ids[:4], d.adapter_ids[4:]])
-    loose = Replayer(profile, d).replay(plan, LatencyObjective(max_ttft_s=1e6))
-    tight = Replayer(profile, d).replay(plan, LatencyObjective(max_ttft_s=1e-9))
+    loose = Replayer(profile, d).replay(plan, Objective(max_ttft_s=1e6))
+    tight = Replayer(profile, d).replay(plan, Objective(max_ttft_s=1e-9))
     assert loose.latency_violation_gpus == 0 and tight.latency_violation_gpus == 2 and not tight.clean
     s = loose.summary()
     g0, g1 = loose.gpus

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 from lorapack.errors import SpecError
 from lorapack.oracle import default_slot_rank
-from lorapack.placement import METHODS, Objective, lower_bound, place, zigzag_order
+from lorapack.placement import Objective, PlaceConfig, lower_bound, method_names, zigzag_order
 from lorapack.placement.baselines import dlora, hamilton, least_adapters, loraserve
 from lorapack.placement.greedy import GreedyOptions, Infeasible, greedy_fill
 from lorapack.server import ServerConfig
-from placement_helpers import LLAMA, TAU, ToyOracle, instance, toy_capacity, toy_kwargs
+from placement_helpers import LLAMA, TAU, ToyOracle, instance, run_place, toy_capacity, toy_kwargs
 
 THR = Objective.throughput()
 
@@ -121,11 +121,11 @@ def test_testing_points_stop_at_n_max() -> None:
 
 def test_the_greedy_never_loses_to_a_balanced_plan_its_oracle_accepts() -> None:
     # first-fit leaves 8, 8, 4; dealt evenly, 10 + 10 fit two GPUs: the plan takes the balanced one
-    plan = place(instance(np.ones(20)), LLAMA, "proposed", objective=THR, **toy_kwargs(12.0))
+    plan = run_place(instance(np.ones(20)), LLAMA, "proposed", objective=THR, **toy_kwargs(12.0))
     assert plan.gpus_used == 2 and plan.diagnostics["plan_origin"] in ("round-robin", "balanced")
     assert plan.diagnostics["greedy_gpus"] == 3
     # the same on a fixed pool of 2, where first-fit alone runs out of GPUs
-    plan = place(instance(np.ones(20)), LLAMA, "proposed", gpus=2, objective=THR, **toy_kwargs(12.0))
+    plan = run_place(instance(np.ones(20)), LLAMA, "proposed", gpus=2, objective=THR, **toy_kwargs(12.0))
     assert not plan.infeasible and plan.gpus_used == 2
 
 
@@ -218,9 +218,9 @@ def test_lower_bound_never_exceeds_the_brute_force_optimum(adapters, n_max) -> N
 def test_lower_bound_reports_hot_adapters() -> None:
     b = lower_bound(instance([30.0, 1.0]), capacity=toy_capacity(12.0))
     assert b.hot_adapters == ["a000"]
-    plan = place(instance([30.0, 1.0]), LLAMA, "proposed", **toy_kwargs(12.0))
+    plan = run_place(instance([30.0, 1.0]), LLAMA, "proposed", **toy_kwargs(12.0))
     assert plan.infeasible and "split-hot" in plan.reason and "a000" in plan.reason
-    split = place(instance([30.0, 1.0]), LLAMA, "proposed", split_hot=True, **toy_kwargs(12.0))
+    split = run_place(instance([30.0, 1.0]), LLAMA, "proposed", split_hot=True, **toy_kwargs(12.0))
     assert not split.infeasible
     routes = split.routes()
     assert len(routes["a000"]) >= 3 and sum(w for _, w in routes["a000"]) == pytest.approx(1.0)
@@ -235,9 +235,9 @@ def test_the_latency_row_caps_each_gpus_capacity() -> None:
     loose = lower_bound(inst, capacity=toy_capacity(12.0), latency_capacity=lambda s: 1e9)
     assert loose.gpus == free.gpus and loose.capacity_tok_s == free.capacity_tok_s
     # place() uses a given latency row; with a toy capacity and none given it has none (no twin runs)
-    plan = place(inst, LLAMA, "proposed-exact", latency_capacity=lambda s: 5.0 * TAU, **toy_kwargs(12.0))
+    plan = run_place(inst, LLAMA, "proposed-exact", latency_capacity=lambda s: 5.0 * TAU, **toy_kwargs(12.0))
     assert plan.lower_bound_gpus == 4 and plan.lower_bound["latency_capacity_tok_s"] == {"8": round(5.0 * TAU, 1)}
-    assert place(inst, LLAMA, "proposed-exact", **toy_kwargs(12.0)).lower_bound["latency_capacity_tok_s"] == {}
+    assert run_place(inst, LLAMA, "proposed-exact", **toy_kwargs(12.0)).lower_bound["latency_capacity_tok_s"] == {}
 
 
 def test_the_latency_capacity_is_where_one_adapter_stops_meeting_the_objective() -> None:
@@ -272,9 +272,9 @@ def instances(draw):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(instances(), st.sampled_from(METHODS), st.sampled_from([None, 3]))
+@given(instances(), st.sampled_from(method_names()), st.sampled_from([None, 3]))
 def test_invariants_of_every_method(inst, method, pool) -> None:
-    plan = place(inst, LLAMA, method, gpus=pool, objective=THR, **toy_kwargs(10.0))
+    plan = run_place(inst, LLAMA, method, gpus=pool, objective=THR, **toy_kwargs(10.0))
     if plan.infeasible:
         assert pool is not None and plan.reason
         return
@@ -301,8 +301,8 @@ def test_invariants_of_every_method(inst, method, pool) -> None:
 @given(instances(), st.booleans())
 def test_proposed_never_uses_more_gpus_than_round_robin(inst, cheap) -> None:
     # cheap: the batched path of learned oracles; not cheap: the twin's lazy path
-    rr = place(inst, LLAMA, "round-robin", objective=THR, verify=False, **toy_kwargs(10.0, cheap=cheap))
-    pr = place(inst, LLAMA, "proposed", objective=THR, verify=False, **toy_kwargs(10.0, cheap=cheap))
+    rr = run_place(inst, LLAMA, "round-robin", objective=THR, verify=False, **toy_kwargs(10.0, cheap=cheap))
+    pr = run_place(inst, LLAMA, "proposed", objective=THR, verify=False, **toy_kwargs(10.0, cheap=cheap))
     assert not pr.infeasible
     assert rr.infeasible or pr.gpus_used <= rr.gpus_used
 
@@ -310,9 +310,9 @@ def test_proposed_never_uses_more_gpus_than_round_robin(inst, cheap) -> None:
 def test_plans_are_deterministic() -> None:
     rng = np.random.default_rng(5)
     inst = instance(rng.lognormal(-1, 1, 150), rng.choice([8, 16], 150))
-    for method in METHODS:
-        a = place(inst, LLAMA, method, objective=THR, **toy_kwargs(9.0)).to_dict()
-        b = place(inst, LLAMA, method, objective=THR, **toy_kwargs(9.0)).to_dict()
+    for method in method_names():
+        a = run_place(inst, LLAMA, method, objective=THR, **toy_kwargs(9.0)).to_dict()
+        b = run_place(inst, LLAMA, method, objective=THR, **toy_kwargs(9.0)).to_dict()
         for d in (a, b):
             d.pop("placement_ms"), d.pop("verification_ms")
             d["lower_bound"].pop("solve_ms")
@@ -329,16 +329,16 @@ def test_the_verifier_simulates_the_workloads_own_arrival_law() -> None:
                                       "mean_multiplier": 1.0, "max_multiplier": 1.5}),
                                (None, {"kind": "poisson"})):
         wl = Workload(adapters=adapters, **({"arrivals": arrivals} if arrivals else {}))
-        plan = place(wl, LLAMA, "proposed-exact", objective=THR, **toy_kwargs(9.0))
+        plan = run_place(wl, LLAMA, "proposed-exact", objective=THR, **toy_kwargs(9.0))
         assert plan.settings["verify_arrivals"] == expected
-    assert place(Workload(adapters=adapters, arrivals=law), LLAMA, "proposed-exact", objective=THR, verify=False,
+    assert run_place(Workload(adapters=adapters, arrivals=law), LLAMA, "proposed-exact", objective=THR, verify=False,
                  **toy_kwargs(9.0)).settings["verify_arrivals"] is None
     # the twin verifier gets the law (the searches stay Poisson: their early stop assumes steady arrivals)
     ctx = Context(profile=LLAMA, objective=THR, verify_arrivals=law)
     assert ctx.verifier(3).arrivals is law and ctx.twin().arrivals is None
     with pytest.raises(SpecError, match="arrivals of kind 'trace'"):
-        place(instance([0.1]), LLAMA, "proposed-exact", verify_arrivals=TraceArrivals(path="t.csv"),
-              **toy_kwargs(9.0))
+        run_place(instance([0.1]), LLAMA, "proposed-exact", verify_arrivals=TraceArrivals(path="t.csv"),
+                  **toy_kwargs(9.0))
 
 
 def test_bad_input_is_refused_before_any_work() -> None:
@@ -360,9 +360,9 @@ def test_bad_input_is_refused_before_any_work() -> None:
     with pytest.raises(SpecError, match="--headroom"):
         make_instance(["a"], [8], [1.0], headroom=-0.1, **kw)
     with pytest.raises(SpecError, match="--method"):
-        place(instance([1.0]), LLAMA, "best-fit")
+        run_place(instance([1.0]), LLAMA, "best-fit")
     with pytest.raises(SpecError, match="--gpus"):
-        place(instance([1.0]), LLAMA, "proposed", gpus=0)
+        run_place(instance([1.0]), LLAMA, "proposed", gpus=0)
     with pytest.raises(SpecError, match="max-ttft-s"):
         Objective(max_ttft_s=-1)
 
@@ -375,7 +375,7 @@ def _repair_case(strict_cap: float, pool: int | None = None):
     # the method's oracle believes a GPU serves 12 req/s, the verifier (and the repair's probes) less: the
     # greedy places 20 adapters at 1.25 req/s as 8 + 8 + 4 (10, 10 and 5 req/s)
     strict = ToyOracle(strict_cap)
-    return place(instance(np.full(20, 1.25)), LLAMA, "proposed", gpus=pool, objective=THR, oracle=ToyOracle(12.0),
+    return run_place(instance(np.full(20, 1.25)), LLAMA, "proposed", gpus=pool, objective=THR, oracle=ToyOracle(12.0),
                  search_oracle=strict, verify_oracle=strict, capacity=toy_capacity(strict_cap), workers=1)
 
 
@@ -418,7 +418,7 @@ def test_repair_bisects_with_the_verifier_where_the_probe_cannot_tell() -> None:
     # probe passes every GPU the verifier fails, so the verifier decides the prefixes -- 4 adapters stay per
     # GPU in the first round, instead of one adapter moved per round until the rounds run out
     strict = ToyOracle(6.0)
-    plan = place(instance(np.full(20, 1.25)), LLAMA, "proposed", objective=THR, oracle=ToyOracle(12.0),
+    plan = run_place(instance(np.full(20, 1.25)), LLAMA, "proposed", objective=THR, oracle=ToyOracle(12.0),
                  search_oracle=ToyOracle(12.0), verify_oracle=strict, capacity=toy_capacity(6.0), workers=1)
     v = plan.verification
     assert v["passed"] and v["repair_rounds"] <= 2, v["events"]
@@ -437,7 +437,7 @@ class _SlotToy(ToyOracle):
 def test_repair_raises_max_loras_where_adapters_starve_while_swapping() -> None:
     # the model prefers --max-loras 8 (16 adapters at 0.5 req/s on GPU 0); the verifier starves any GPU with
     # fewer slots than adapters: the repair gives GPU 0 all 16 slots instead of moving adapters away
-    plan = place(instance(np.full(20, 0.5)), LLAMA, "proposed", objective=THR, oracle=ToyOracle(12.0, prefer_a=8),
+    plan = run_place(instance(np.full(20, 0.5)), LLAMA, "proposed", objective=THR, oracle=ToyOracle(12.0, prefer_a=8),
                  search_oracle=ToyOracle(12.0), verify_oracle=_SlotToy(12.0), capacity=toy_capacity(12.0),
                  workers=1)
     v = plan.verification
@@ -459,11 +459,11 @@ def test_repair_opens_new_gpus_or_says_how_many_the_pool_lacks() -> None:
 def test_repair_lowers_max_loras_that_vllm_refuses() -> None:
     # dlora keeps every adapter resident: 300 rank-16 adapters on one GPU exceed the slots vLLM can start
     inst = instance(np.full(300, 0.01), np.full(300, 16))
-    plan = place(inst, LLAMA, "dlora", gpus=1, objective=THR, **toy_kwargs(50.0))
+    plan = run_place(inst, LLAMA, "dlora", gpus=1, objective=THR, **toy_kwargs(50.0))
     g = plan.gpus[0]
     assert not plan.infeasible and LLAMA.startup(g.max_loras, g.max_lora_rank)[0] and g.max_loras < 300
     assert plan.verification["max_loras_lowered"] == 1 and len(g.adapters) == 300
-    raw = place(inst, LLAMA, "dlora", gpus=1, objective=THR, verify=False, **toy_kwargs(50.0))
+    raw = run_place(inst, LLAMA, "dlora", gpus=1, objective=THR, verify=False, **toy_kwargs(50.0))
     assert raw.gpus[0].max_loras == 300 and not raw.verification
 
 
@@ -492,7 +492,7 @@ def test_twin_plans_respect_the_bound_and_pass_verification() -> None:
     rng = np.random.default_rng(11)
     inst = instance(rng.dirichlet(np.full(96, 0.5)) * 40.0 + 1e-3, rng.choice([8, 16], 96))
     for method in ("proposed-exact", "least-adapters"):
-        plan = place(inst, LLAMA, method, workers=1)
+        plan = run_place(inst, LLAMA, method, workers=1)
         assert not plan.infeasible, plan.reason
         assert plan.verification["passed"] and all(g.verified.passed for g in plan.gpus)
         assert plan.lower_bound_gpus <= plan.gpus_used
@@ -504,8 +504,8 @@ def test_twin_plans_respect_the_bound_and_pass_verification() -> None:
 def test_proposed_exact_does_not_lose_to_round_robin_where_first_fit_needs_a_gpu_more() -> None:
     # 300 equal adapters: first-fit closes GPUs at testing points (3 GPUs); dealt evenly, 2 GPUs serve them
     inst = instance(np.full(300, 0.1), headroom=0.2)
-    exact = place(inst, LLAMA, "proposed-exact", verify=False, workers=1)
-    rr = place(inst, LLAMA, "round-robin", verify=False, workers=1)
+    exact = run_place(inst, LLAMA, "proposed-exact", verify=False, workers=1)
+    rr = run_place(inst, LLAMA, "round-robin", verify=False, workers=1)
     assert exact.diagnostics["greedy_gpus"] == 3 and exact.diagnostics["plan_origin"] != "greedy"
     assert exact.gpus_used <= rr.gpus_used == 2
 
@@ -534,7 +534,7 @@ def test_throughput_ties_go_to_the_lower_latency_then_the_larger_max_loras() -> 
 
 def test_an_oracle_that_refuses_a_light_adapter_alone_is_named_not_the_adapter() -> None:
     # a toy with a TTFT prediction above the limit everywhere (as a coarse learned model may have)
-    plan = place(instance(np.full(10, 0.1)), LLAMA, "proposed", objective=Objective(max_ttft_s=2.0),
+    plan = run_place(instance(np.full(10, 0.1)), LLAMA, "proposed", objective=Objective(max_ttft_s=2.0),
                  **toy_kwargs(10.0, ttft_s=2.5))
     assert plan.infeasible and "oracle refuses adapter" in plan.reason and "proposed-exact" in plan.reason
     assert "split-hot" not in plan.reason
@@ -551,16 +551,16 @@ def test_the_twin_fills_a_gpu_where_a_learned_oracle_gives_up() -> None:
     # then finds the 3-GPU plan the toy-only placement finds
     learned, twin = _LearnedToy(10.0, ttft_s=2.5), ToyOracle(10.0)
     inst = instance(np.full(30, 1.0))
-    plan = place(inst, LLAMA, "proposed", objective=Objective(max_ttft_s=2.0), oracle=learned, search_oracle=twin,
+    plan = run_place(inst, LLAMA, "proposed", objective=Objective(max_ttft_s=2.0), oracle=learned, search_oracle=twin,
                  verify_oracle=twin, capacity=toy_capacity(10.0), workers=1)
-    ref = place(inst, LLAMA, "proposed", objective=Objective(max_ttft_s=2.0), **toy_kwargs(10.0))
+    ref = run_place(inst, LLAMA, "proposed", objective=Objective(max_ttft_s=2.0), **toy_kwargs(10.0))
     assert not plan.infeasible and plan.diagnostics["greedy_gpus"] == ref.diagnostics["greedy_gpus"] == 4
     assert plan.diagnostics["plan_origin"] == "greedy" and ref.gpus_used == 3  # the toy's rebalance: 10 per GPU
     assert plan.gpus_used == 3 and plan.verification["consolidated"]["gpus_before"] == 4
     assert plan.diagnostics["confirmed_gpus"] == 4 and plan.diagnostics["confirm_calls"] > 0
     assert all(g.verified.passed for g in plan.gpus)
     # an oracle that is not learned is taken at its word (the guard's message above)
-    plain = place(inst, LLAMA, "proposed", objective=Objective(max_ttft_s=2.0), oracle=ToyOracle(10.0, ttft_s=2.5),
+    plain = run_place(inst, LLAMA, "proposed", objective=Objective(max_ttft_s=2.0), oracle=ToyOracle(10.0, ttft_s=2.5),
                   search_oracle=twin, verify_oracle=twin, capacity=toy_capacity(10.0), workers=1)
     assert plain.infeasible
 
@@ -570,14 +570,14 @@ def test_verification_consolidates_a_pessimistic_learned_plan_with_the_twin() ->
     # passes the 4 GPUs, then a balanced plan on 3 GPUs (10 req/s each) passes the twin and replaces it
     learned, twin = _LearnedToy(8.0), ToyOracle(10.0)
     inst = instance(np.full(30, 1.0))
-    plan = place(inst, LLAMA, "proposed", objective=THR, oracle=learned, search_oracle=twin, verify_oracle=twin,
+    plan = run_place(inst, LLAMA, "proposed", objective=THR, oracle=learned, search_oracle=twin, verify_oracle=twin,
                  capacity=toy_capacity(10.0), workers=1)
     c = plan.verification["consolidated"]
     assert (c["gpus_before"], c["gpus_after"], c["accepted"]) == (4, 3, True)
     assert plan.gpus_used == 3 and plan.verification["passed"] and all(g.verified.passed for g in plan.gpus)
     assert sorted(a for g in plan.gpus for a in g.adapters) == sorted(inst.adapter_ids)
     # a twin that agrees with the model keeps the plan (one probe on 3 GPUs fails)
-    same = place(inst, LLAMA, "proposed", objective=THR, oracle=_LearnedToy(8.0), search_oracle=ToyOracle(8.0),
+    same = run_place(inst, LLAMA, "proposed", objective=THR, oracle=_LearnedToy(8.0), search_oracle=ToyOracle(8.0),
                  verify_oracle=ToyOracle(8.0), capacity=toy_capacity(10.0), workers=1)
     assert same.gpus_used == 4 and not same.verification["consolidated"]["accepted"]
 
@@ -586,17 +586,17 @@ def test_consolidation_goes_beyond_n_max_only_when_n_max_is_soft() -> None:
     # 500 light adapters: the greedy's testing points stop at 384 (2 GPUs); the verified consolidation deals all
     # 500 onto one GPU, as round-robin would, and the plan is held to the bound without the N_max row
     inst = instance(np.full(500, 0.01))
-    soft = place(inst, LLAMA, "proposed", objective=THR, **toy_kwargs(100.0))
+    soft = run_place(inst, LLAMA, "proposed", objective=THR, **toy_kwargs(100.0))
     assert soft.diagnostics["greedy_gpus"] == 2 and soft.gpus_used == 1 and len(soft.gpus[0].adapters) == 500
     c = soft.verification["consolidated"]
     assert c["accepted"] and (c["gpus_before"], c["gpus_after"]) == (2, 1) and c["beyond_n_max"] == [0]
     assert soft.lower_bound_gpus == soft.lower_bound["gpus_no_nmax"] == 1 and not soft.settings["n_max_hard"]
     # a given n_max is a hard cap for the greedy, the consolidation and the bound
-    hard = place(inst, LLAMA, "proposed", objective=THR, n_max=384, **toy_kwargs(100.0))
+    hard = run_place(inst, LLAMA, "proposed", objective=THR, n_max=384, **toy_kwargs(100.0))
     assert hard.gpus_used == 2 and max(len(g.adapters) for g in hard.gpus) <= 384
     assert hard.lower_bound_gpus == hard.lower_bound["gpus"] == 2 and hard.settings["n_max_hard"]
     # without verification there is no consolidation: the greedy's plan
-    raw = place(inst, LLAMA, "proposed", objective=THR, verify=False, **toy_kwargs(100.0))
+    raw = run_place(inst, LLAMA, "proposed", objective=THR, verify=False, **toy_kwargs(100.0))
     assert raw.gpus_used == 2 and raw.lower_bound_gpus == 1
 
 
@@ -617,7 +617,7 @@ def test_consolidation_tries_other_arrangements_than_the_greedys_and_keeps_only_
     # hottest adapter fit and pass verification
     inst = instance(np.array([0.62, 0.61] + [0.4] * 21))
     toy, picky = ToyOracle(5.0), _Picky(5.0)
-    plan = place(inst, LLAMA, "proposed", objective=THR, oracle=toy, search_oracle=toy, verify_oracle=picky,
+    plan = run_place(inst, LLAMA, "proposed", objective=THR, oracle=toy, search_oracle=toy, verify_oracle=picky,
                  capacity=toy_capacity(5.0), workers=1)
     c = plan.verification["consolidated"]
     assert plan.diagnostics["greedy_gpus"] == 3 and plan.verification["gpus_added"] == 1
@@ -630,7 +630,7 @@ def test_consolidation_tries_other_arrangements_than_the_greedys_and_keeps_only_
             weight[a] = weight.get(a, 0.0) + w / float(inst.weights[inst.adapter_ids.index(a)])
     assert sorted(weight) == sorted(inst.adapter_ids) and all(abs(w - 1.0) < 1e-9 for w in weight.values())
     # a verifier that agrees with the greedy: nothing added, nothing to consolidate below the bound
-    calm = place(inst, LLAMA, "proposed", objective=THR, **toy_kwargs(5.0))
+    calm = run_place(inst, LLAMA, "proposed", objective=THR, **toy_kwargs(5.0))
     assert calm.verification["gpus_added"] == 0 and calm.gpus_used <= 3
 
 
@@ -667,14 +667,14 @@ def test_verify_plan_judges_another_methods_plan_as_place_verifies() -> None:
 
     inst = instance(np.full(24, 0.5))  # 12 req/s, GPUs of 5 req/s
     for method in ("dlora", "loraserve", "round-robin"):
-        plan = place(inst, LLAMA, method, objective=THR, **toy_kwargs(5.0))
-        verdicts = verify_plan(plan, inst, LLAMA, objective=THR, verify_oracle=ToyOracle(5.0))
+        plan = run_place(inst, LLAMA, method, objective=THR, **toy_kwargs(5.0))
+        verdicts = verify_plan(plan, inst, LLAMA, PlaceConfig(objective=THR), ToyOracle(5.0))
         assert len(verdicts) == plan.gpus_used and all(v.passed for v in verdicts), method
         # the same plan against a verifier that expects less of a GPU
-        assert not all(v.passed for v in verify_plan(plan, inst, LLAMA, objective=THR,
-                                                     verify_oracle=ToyOracle(2.0)))
-    lumped = place(inst, LLAMA, "least-adapters", gpus=1, objective=THR, verify=False, **toy_kwargs(5.0))
-    (v,) = verify_plan(lumped, inst, LLAMA, objective=THR, verify_oracle=ToyOracle(5.0))
+        assert not all(v.passed for v in verify_plan(plan, inst, LLAMA, PlaceConfig(objective=THR),
+                                                     ToyOracle(2.0)))
+    lumped = run_place(inst, LLAMA, "least-adapters", gpus=1, objective=THR, verify=False, **toy_kwargs(5.0))
+    (v,) = verify_plan(lumped, inst, LLAMA, PlaceConfig(objective=THR), ToyOracle(5.0))
     assert not v.passed and v.reason == "throughput"
     other = instance(np.full(3, 0.5), ids=["x", "y", "z"])
     with pytest.raises(SpecError, match="does not have"):

@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from .errors import SpecError
+from .objective import STARVED_PROBABILITY
 from .profile import VLLM_LORA_RANKS, Profile
 from .server import ServerConfig, ServerFlag, rules_for_version
 from .spec import (
@@ -253,8 +254,6 @@ def features(cands: Sequence[GpuCandidate]) -> np.ndarray:
     return out
 
 
-# a candidate whose predicted probability of starving reaches this is not served (``Prediction.serves``)
-STARVED_PROBABILITY = 0.5
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,7 @@ from rich.table import Table
 
 from .common import JsonOpt, check_workers, console, fmt, print_json
 
-DEMO_METHODS = ("proposed", "dlora", "loraserve", "least-adapters", "round-robin")
-FALLBACK_METHOD = "proposed-exact"
+FALLBACK_METHOD = "proposed-exact"  # stands in for the first demo method when the learned models are missing
 SYNTHETIC_RATE_RPS = 5.53  # the conversation trace's mean rate
 SYNTHETIC_SPAN_S = 3502.0
 
@@ -74,6 +73,7 @@ def demo(
     from ..evaluate.runner import evaluate_scenarios
     from ..placement.export import check_out_dir, write_outputs
     from ..placement.plan import plan_from_dict
+    from ..placement.registry import methods as registered
     from ..twin.engine import warm_up
 
     t_start = time.perf_counter()
@@ -81,7 +81,8 @@ def demo(
     check_out_dir(out)
     compile_s = warm_up()
     placer = default_placer(workers)
-    methods = list(DEMO_METHODS)
+    methods = [m.name for m in registered() if m.in_demo]
+    proposed = methods[0]
     # the synthetic trace (no shared data) is read during the evaluation: keep its directory until then
     with tempfile.TemporaryDirectory() as tmp, replay_executor(workers) as ex:
         mapper = ExecutorMapper(ex)
@@ -95,7 +96,7 @@ def demo(
             more = evaluate_scenarios([sc], placer, (FALLBACK_METHOD,), mapper=mapper, keep_plans=True)
             entry = doc["scenarios"][0]
             entry["methods"] = {FALLBACK_METHOD: more["scenarios"][0]["methods"][FALLBACK_METHOD],
-                                **{m: r for m, r in entry["methods"].items() if m != DEMO_METHODS[0]}}
+                                **{m: r for m, r in entry["methods"].items() if m != proposed}}
             entry["plans"].update(more["scenarios"][0]["plans"])
     entry = doc["scenarios"][0]
     main = methods[0]

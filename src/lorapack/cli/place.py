@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import inspect
+import typing
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich import box
 from rich.table import Table
 
 from ..errors import LorapackError
+from ..objective import OBJECTIVE_KINDS, Objective
+from ..placement.config import PlaceConfig
 from .common import (
     GpuOpt,
     JsonOpt,
@@ -19,7 +24,6 @@ from .common import (
     ProfileOpt,
     VllmVersionOpt,
     apply_vllm_version,
-    check_workers,
     console,
     err_console,
     fmt,
@@ -27,65 +31,17 @@ from .common import (
     print_json,
 )
 
-_METHODS_HELP = ("proposed (learned models), proposed-fast (shallow trees), proposed-exact (the twin as the "
-                 "oracle), proposed-lat, dlora, loraserve, least-adapters, round-robin")
+ObjectiveKind = StrEnum("ObjectiveKind", {k: k for k in OBJECTIVE_KINDS})
 
 
-class ObjectiveKind(StrEnum):
-    latency = "latency"
-    throughput = "throughput"
-
-
-def place(
+def _options(
     workload: Annotated[Path, typer.Argument(
         help="Workload spec: YAML, or a CSV adapter_id,rank,rate_rps[,path] (the forecast rates).")],
     model: ModelOpt = None,
     gpu: GpuOpt = None,
     profile: ProfileOpt = None,
-    gpus: Annotated[int | None, typer.Option(
-        "--gpus", help="GPU pool size (default: as many as needed). A plan that needs more exits with code 2.")
-    ] = None,
-    method: Annotated[str, typer.Option("--method", help=f"Placement method: {_METHODS_HELP}.")] = "proposed",
-    models: Annotated[Path | None, typer.Option(
-        "--models", help="Directory of learned models for proposed / proposed-fast / proposed-lat "
-                         "(default: the shipped ones).")] = None,
     out: Annotated[Path, typer.Option("--out", help="Output directory for plan.json, serve.sh, routes.json.")
                    ] = Path("plan"),
-    objective: Annotated[ObjectiveKind, typer.Option(
-        "--objective", metavar="<kind>", help="latency (default): every GPU keeps mean TTFT <= --max-ttft-s (default 2 s) and is "
-                            "not starved; throughput: the paper's criterion only (>= 90 % of the offered tokens).")
-    ] = ObjectiveKind.latency,
-    max_ttft_s: Annotated[float | None, typer.Option(
-        "--max-ttft-s", help="Mean time to first token per GPU, seconds (latency objective default: 2).")] = None,
-    max_itl_ms: Annotated[float | None, typer.Option("--max-itl-ms", help="Mean inter-token latency, ms.")] = None,
-    max_ttft_p99_s: Annotated[float | None, typer.Option("--max-ttft-p99-s", help="p99 TTFT, seconds.")] = None,
-    max_itl_p99_ms: Annotated[float | None, typer.Option(
-        "--max-itl-p99-ms", help="p99 over requests of the mean inter-token gap, ms.")] = None,
-    headroom: Annotated[float, typer.Option(
-        "--headroom", help="Plan for the forecast rates x (1 + headroom): margin for forecast error. "
-                           "Default 0.2 (rates x 1.2); 0 plans for the forecast itself.")] = 0.2,
-    verify: Annotated[bool, typer.Option(
-        "--verify/--no-verify", help="Simulate every GPU for the full hour (--verify-seeds seeds) and repair "
-                                     "failing GPUs (default on).")] = True,
-    verify_seeds: Annotated[int, typer.Option("--verify-seeds", help="Seeds per GPU in verification (>= 1).")
-                            ] = 3,
-    verify_arrivals: Annotated[str, typer.Option(
-        "--verify-arrivals", metavar="LAW",
-        help="Arrivals the verification simulates at the planned rates: 'workload' (default) = the workload "
-             "file's law when it is lognormal or modulated, else Poisson; 'poisson'; or a trace CSV "
-             "(arrived_at,...): Poisson whose rate follows the trace's per-minute load, as its swings hit "
-             "every adapter at once.")] = "workload",
-    split_hot: Annotated[bool, typer.Option(
-        "--split-hot", help="Split adapters too hot for one GPU into weighted replicas on several GPUs.")] = False,
-    seed: Annotated[int, typer.Option(help="Seed of every simulation (plans are deterministic per seed).")] = 0,
-    n_max: Annotated[int | None, typer.Option(
-        "--n-max", help="Hard cap on adapters per GPU for the proposed methods. Default: the greedy stops at "
-                        "384 (the measured range) and only a twin-verified plan on fewer GPUs goes beyond.")
-    ] = None,
-    mean_input_tokens: Annotated[float | None, typer.Option(help="Override the mean prompt tokens.")] = None,
-    mean_output_tokens: Annotated[float | None, typer.Option(help="Override the mean output tokens.")] = None,
-    workers: Annotated[int | None, typer.Option(help="Worker processes for twin runs (0 = all cores; default: "
-                                                     "up to 2).")] = None,
     base_port: Annotated[int, typer.Option(help="Port of device 0 on each node (device d: base + d).")] = 8000,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node in serve.sh and routes.json.")] = 8,
     host_pattern: Annotated[str | None, typer.Option(
@@ -94,48 +50,86 @@ def place(
     vllm_version: VllmVersionOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Place WORKLOAD's adapters on the fewest GPUs: which adapter where, each GPU's --max-loras, verified by the
-    twin, with the commands to launch it (plan.json, serve.sh, routes.json in --out)."""
-    from ..placement import Objective
+    """The options of ``lorapack place`` that are not placement settings (its signature only: see
+    ``place_command``); the placement settings come from ``PlaceConfig``'s fields."""
+
+
+def _flag(name: str, metadata: typing.Mapping[str, Any]) -> str:
+    return metadata.get("flag") or f"--{name.replace('_', '-')}"
+
+
+def _option(name: str, annotation: Any, default: Any, metadata: typing.Mapping[str, Any]) -> inspect.Parameter:
+    text = metadata["help"]
+    option = typer.Option(_flag(name, metadata), help=text() if callable(text) else text,
+                          metavar=metadata.get("metavar"))
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[annotation, option])
+
+
+def config_options() -> list[inspect.Parameter]:
+    """One option per ``PlaceConfig`` field (``objective``: ``--objective`` and one per ``Objective`` limit),
+    with the field's default, type and help; ``--method``'s help lists the registered methods."""
+    hints = typing.get_type_hints(PlaceConfig)
+    params = []
+    for f in dataclasses.fields(PlaceConfig):
+        if f.name == "objective":
+            params.append(_option("objective", ObjectiveKind, ObjectiveKind("latency"), f.metadata))
+            params += [_option(g.name, float | None, None, g.metadata) for g in dataclasses.fields(Objective)]
+        else:
+            params.append(_option(f.name, f.metadata.get("cli_type", hints[f.name]), f.default, f.metadata))
+    return params
+
+
+def config_from_options(values: dict[str, Any]) -> PlaceConfig:
+    """The ``PlaceConfig`` of the options ``config_options`` made (removed from ``values``)."""
+    limits = {k: values.pop(k) for k in Objective.keys()}
+    objective = Objective.of(str(values.pop("objective")), **limits)
+    return PlaceConfig(objective=objective, **{f.name: values.pop(f.name) for f in dataclasses.fields(PlaceConfig)
+                                               if f.name != "objective"})
+
+
+def place_command() -> Callable[..., None]:
+    """``lorapack place``: its options are ``_options``'s with the placement settings inserted after
+    ``--profile`` (generated from ``PlaceConfig``, so a new setting or method shows up here by itself)."""
+    own = list(inspect.signature(_options, eval_str=True).parameters.values())
+    params = [*own[:4], *config_options(), *own[4:]]
+    params = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params]
+
+    def place(**values: Any) -> None:
+        """Place WORKLOAD's adapters on the fewest GPUs: which adapter where, each GPU's --max-loras, verified by
+        the twin, with the commands to launch it (plan.json, serve.sh, routes.json in --out)."""
+        _place(values)
+
+    place.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    place.__annotations__ = {p.name: p.annotation for p in params}
+    return place
+
+
+def _place(values: dict[str, Any]) -> None:
     from ..placement import place as run_place
-    from ..placement.api import check_method
     from ..placement.export import Endpoints, check_out_dir, write_outputs
     from ..placement.problem import instance_from_workload
     from ..workload import load_workload
 
-    # every check before any work: method, flags, output directory, profile, workload
-    check_method(method)
-    if verify_seeds < 1:
-        raise LorapackError(f"--verify-seeds {verify_seeds}: expected an integer >= 1")
-    if n_max is not None and n_max < 1:
-        raise LorapackError(f"--n-max {n_max}: expected an integer >= 1")
-    limits = {"max_itl_ms": max_itl_ms, "max_ttft_p99_s": max_ttft_p99_s, "max_itl_p99_ms": max_itl_p99_ms}
-    if objective is ObjectiveKind.latency:
-        obj = Objective(max_ttft_s=2.0 if max_ttft_s is None else max_ttft_s, **limits)
-    else:
-        obj = Objective(max_ttft_s=max_ttft_s, **limits)
-    endpoints = Endpoints(base_port=base_port, gpus_per_node=gpus_per_node, host_pattern=host_pattern)
+    # every check before any work: settings, output directory, profile, workload
+    config = config_from_options(values)
+    workload, out, json_out = values["workload"], values["out"], values["json_out"]
+    endpoints = Endpoints(base_port=values["base_port"], gpus_per_node=values["gpus_per_node"],
+                          host_pattern=values["host_pattern"])
     check_out_dir(out)
-    if models is not None and not models.is_dir():
-        raise LorapackError(f"--models {models}: not a directory")
-    if workers is not None:  # the same convention as every command: >= 0, 0 = all cores
-        workers = check_workers(workers) or (os.cpu_count() or 1)
-    prof = apply_vllm_version(load_profile(model, gpu, profile), vllm_version)
+    prof = apply_vllm_version(load_profile(values["model"], values["gpu"], values["profile"]), values["vllm_version"])
     wl = load_workload(workload)
-    law = _verify_law(verify_arrivals, wl)
-    inst = instance_from_workload(wl, headroom=headroom, mean_input_tokens=mean_input_tokens,
-                                  mean_output_tokens=mean_output_tokens, where=str(workload))
+    inst = instance_from_workload(wl, headroom=config.headroom, mean_input_tokens=config.mean_input_tokens,
+                                  mean_output_tokens=config.mean_output_tokens, where=str(workload))
+    # the verifier's law is resolved against the workload file: the instance placed carries no arrival law
+    law = config.verify_law(wl)
+    config = dataclasses.replace(config, verify_arrivals="poisson" if law is None else law)
 
     if json_out:
-        plan = run_place(inst, prof, method, gpus=gpus, objective=obj, verify=verify, verify_seeds=verify_seeds,
-                         seed=seed, split_hot=split_hot, n_max=n_max, models_dir=models, workers=workers,
-                         verify_arrivals=law)
+        plan = run_place(inst, prof, config)
     else:
-        with err_console.status(f"placing {inst.n} adapters with {method}") as status:
-            plan = run_place(inst, prof, method, gpus=gpus, objective=obj, verify=verify,
-                             verify_seeds=verify_seeds, seed=seed, split_hot=split_hot, n_max=n_max,
-                             models_dir=models, workers=workers, verify_arrivals=law,
-                             progress=lambda msg: status.update(f"{method}: {msg}"))
+        with err_console.status(f"placing {inst.n} adapters with {config.method}") as status:
+            plan = run_place(inst, prof, config, progress=lambda msg: status.update(f"{config.method}: {msg}"))
     if plan.infeasible:
         raise LorapackError(plan.reason)
     files = write_outputs(plan, out, inst.paths, endpoints)
@@ -145,8 +139,11 @@ def place(
     _render(plan, files)
 
 
+place = place_command()
+
+
 def _render(plan, files: list[Path]) -> None:
-    from ..oracle import STARVED_PROBABILITY
+    from ..objective import STARVED_PROBABILITY
     from ..placement import N_MAX
 
     # fits 80 columns: headers on two lines, the two vLLM flags in one column (values "A / S"), one space apart
@@ -205,22 +202,3 @@ _LIMIT_TEXT = {"max_ttft_s": "mean TTFT <= {:g} s", "max_itl_ms": "mean ITL <= {
 def _objective_text(obj: dict) -> str:
     limits = [t.format(obj[k]) for k, t in _LIMIT_TEXT.items() if obj.get(k) is not None]
     return ", ".join(["not starved (>= 90 % of the offered tokens, every adapter served)", *limits])
-
-
-def _verify_law(choice: str, wl):
-    """``--verify-arrivals``: the arrival law the verifier simulates (None: Poisson)."""
-    from ..placement.api import workload_verify_law
-    from ..spec import ModulatedArrivals
-    from ..workload import load_trace
-    from ..workload.derive import RATE_PROFILE_PERIOD_S, load_profile, trace_span_s
-
-    if choice == "poisson":
-        return None
-    if choice == "workload":
-        return workload_verify_law(wl)
-    path = Path(choice)
-    if not path.is_file():
-        raise LorapackError(f"--verify-arrivals {choice}: expected 'workload', 'poisson' or an existing trace CSV")
-    trace = load_trace(path)
-    prof = load_profile(trace.t_s, trace_span_s(trace), RATE_PROFILE_PERIOD_S)
-    return ModulatedArrivals(period_s=RATE_PROFILE_PERIOD_S, multipliers=[float(m) for m in prof])

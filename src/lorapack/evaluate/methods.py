@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..objective import Objective
 from ..placement.plan import Plan
 from ..profile import Profile
 from ..spec import Workload
-from .replay import LatencyObjective
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class PlaceRequest:
     method: str
     gpus: int | None
     objective: str  # default | throughput | custom
-    limits: LatencyObjective | None  # for custom objectives
+    limits: Objective | None  # for custom objectives
     headroom: float | None
     verify: bool
     seed: int
@@ -51,7 +51,7 @@ class Placer(Protocol):
         a given number of GPUs (the evaluation then searches the smallest replay-clean pool)."""
         ...
 
-    def objective(self, name: str, limits: LatencyObjective | None) -> LatencyObjective:
+    def objective(self, name: str, limits: Objective | None) -> Objective:
         """The per-GPU latency limits a replayed GPU must meet under this objective."""
         ...
 

@@ -14,37 +14,40 @@
 
 from __future__ import annotations
 
+from ..objective import Objective
 from ..oracle import Oracle
 from ..placement import (
     DEFAULT_HEADROOM,
-    GREEDY_METHODS,
-    METHODS,
-    Objective,
+    OracleOverrides,
+    PlaceConfig,
+    get_method,
     instance_from_workload,
     lower_bound,
+    method_names,
     place,
-)
-from ..placement.api import (
-    DEFAULT_VERIFY_SEEDS,
-    twin_verifier,
-    verification_latency_row,
     verify_plan,
-    workload_verify_law,
 )
+from ..placement.api import twin_verifier, verification_latency_row
+from ..placement.config import DEFAULT_VERIFY_SEEDS, workload_verify_law
 from ..placement.plan import Plan
 from ..profile import Profile
 from ..spec import Workload
 from .methods import Bounds, PlaceRequest
-from .replay import LatencyObjective
 
 
-def placement_objective(name: str, limits: LatencyObjective | None) -> Objective:
+def placement_objective(name: str, limits: Objective | None) -> Objective:
+    """A scenario's objective: ``throughput``, ``custom`` (its limits) or ``default`` (mean TTFT <= 2 s)."""
     if name == "throughput":
         return Objective.throughput()
     if name == "custom" and limits is not None:
-        return Objective(max_ttft_s=limits.max_ttft_s, max_itl_ms=limits.max_itl_ms,
-                         max_ttft_p99_s=limits.max_ttft_p99_s, max_itl_p99_ms=limits.max_itl_p99_ms)
+        return limits
     return Objective()
+
+
+def _config(req: PlaceRequest, workers: int, verify: bool) -> PlaceConfig:
+    return PlaceConfig(method=req.method, gpus=req.gpus, objective=placement_objective(req.objective, req.limits),
+                       headroom=DEFAULT_HEADROOM if req.headroom is None else req.headroom, verify=verify,
+                       seed=req.seed, split_hot=req.split_hot, workers=workers)
 
 
 class PlacementPlacer:
@@ -72,15 +75,13 @@ class PlacementPlacer:
         return self._verifiers[key]
 
     def methods(self) -> tuple[str, ...]:
-        return METHODS
+        return method_names()
 
     def sizes_itself(self, method: str) -> bool:
-        return method in GREEDY_METHODS
+        return get_method(method).greedy
 
-    def objective(self, name: str, limits: LatencyObjective | None) -> LatencyObjective:
-        o = placement_objective(name, limits)
-        return LatencyObjective(max_ttft_s=o.max_ttft_s, max_ttft_p99_s=o.max_ttft_p99_s, max_itl_ms=o.max_itl_ms,
-                                max_itl_p99_ms=o.max_itl_p99_ms)
+    def objective(self, name: str, limits: Objective | None) -> Objective:
+        return placement_objective(name, limits)
 
     def lower_bound(self, workload: Workload, profile: Profile, req: PlaceRequest) -> Bounds:
         inst = instance_from_workload(workload, headroom=DEFAULT_HEADROOM if req.headroom is None else req.headroom)
@@ -96,17 +97,13 @@ class PlacementPlacer:
         return bounds.gpus_no_nmax  # the soft n_max of place(): see the module docstring
 
     def verify(self, workload: Workload, profile: Profile, req: PlaceRequest, plan: Plan) -> dict | None:
-        verdicts = verify_plan(plan, workload, profile, objective=placement_objective(req.objective, req.limits),
-                               headroom=DEFAULT_HEADROOM if req.headroom is None else req.headroom, seed=req.seed,
-                               workers=self.workers, verify_oracle=self._verifier(workload, profile, req.seed))
+        verdicts = verify_plan(plan, workload, profile, _config(req, self.workers, True),
+                               self._verifier(workload, profile, req.seed))
         bad = [(g, v) for g, v in enumerate(verdicts) if not v.passed]
         return {"passed": not bad, "failed_gpus": len(bad),
                 "details": [f"GPU {g}: {v.reason}: {v.detail}" for g, v in bad]}
 
     def place(self, workload: Workload, profile: Profile, req: PlaceRequest) -> Plan:
-        return place(workload, profile, req.method, gpus=req.gpus,
-                     objective=placement_objective(req.objective, req.limits),
-                     headroom=DEFAULT_HEADROOM if req.headroom is None else req.headroom,
-                     verify=req.verify and req.method in GREEDY_METHODS, seed=req.seed,
-                     split_hot=req.split_hot, workers=self.workers,
-                     verify_oracle=self._verifier(workload, profile, req.seed) if req.verify else None)
+        config = _config(req, self.workers, req.verify and get_method(req.method).greedy)
+        shared = OracleOverrides(verify_oracle=self._verifier(workload, profile, req.seed)) if req.verify else None
+        return place(workload, profile, config, shared)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import SpecError
+from ..objective import Objective
 from ..placement.plan import Plan
 from ..profile import Profile
 from ..server import ServerConfig
@@ -38,31 +39,15 @@ ROUTING_KEY = 0x726F757465  # "route"
 NAN = float("nan")
 
 
-@dataclass(frozen=True)
-class LatencyObjective:
-    """Per-GPU latency limits a replayed GPU must meet (None = no limit)."""
+# the names results.json gives the limits a replayed GPU breaks, in its order
+VIOLATION_NAMES = {"max_ttft_s": "ttft", "max_ttft_p99_s": "ttft_p99", "max_itl_ms": "itl", "max_itl_p99_ms": "itl_p99"}
 
-    max_ttft_s: float | None = None
-    max_ttft_p99_s: float | None = None
-    max_itl_ms: float | None = None
-    max_itl_p99_ms: float | None = None
 
-    def violations(self, gpu: GpuReplay) -> list[str]:
-        """The limits ``gpu`` breaks (a GPU that completed nothing breaks every limit it has)."""
-        out = []
-        for name, value, limit in (("ttft", gpu.ttft_mean_s, self.max_ttft_s),
-                                   ("ttft_p99", gpu.ttft_p99_s, self.max_ttft_p99_s),
-                                   ("itl", gpu.itl_mean_ms, self.max_itl_ms),
-                                   ("itl_p99", gpu.itl_p99_ms, self.max_itl_p99_ms)):
-            if limit is not None and not (value <= limit):
-                out.append(name)
-        return out
-
-    def describe(self) -> str:
-        parts = [f"{label} <= {v:g}{unit}" for label, v, unit in (
-            ("mean TTFT", self.max_ttft_s, " s"), ("p99 TTFT", self.max_ttft_p99_s, " s"),
-            ("mean ITL", self.max_itl_ms, " ms"), ("p99 ITL", self.max_itl_p99_ms, " ms")) if v is not None]
-        return ", ".join(parts) if parts else "none (throughput only)"
+def violations(objective: Objective, gpu: GpuReplay) -> list[str]:
+    """The limits ``gpu`` breaks (a GPU that completed nothing breaks every limit it has)."""
+    broken = objective.latency_violations(gpu.ttft_mean_s, gpu.itl_mean_ms, gpu.ttft_p99_s, gpu.itl_p99_ms,
+                                          unknown_breaks=True)
+    return [name for k, name in VIOLATION_NAMES.items() if k in broken]
 
 
 @dataclass
@@ -97,7 +82,7 @@ class FleetReplay:
 
     gpus: list[GpuReplay]
     window_s: float
-    objective: LatencyObjective
+    objective: Objective
 
     @property
     def gpus_used(self) -> int:
@@ -118,7 +103,7 @@ class FleetReplay:
 
     @property
     def latency_violation_gpus(self) -> int:
-        return sum(bool(self.objective.violations(g)) for g in self.gpus if not g.oom)
+        return sum(bool(violations(self.objective, g)) for g in self.gpus if not g.oom)
 
     @property
     def clean(self) -> bool:
@@ -178,7 +163,7 @@ class FleetReplay:
 
     def per_gpu(self) -> list[dict]:
         return [{k: v for k, v in g.__dict__.items() if k != "ttft_samples_s"}
-                | {"latency_violations": self.objective.violations(g) if not g.oom else []}
+                | {"latency_violations": violations(self.objective, g) if not g.oom else []}
                 for g in self.gpus]
 
 
@@ -316,11 +301,11 @@ class Replayer:
         self.cache: dict[tuple, GpuReplay] = {}
         self.simulated = 0  # GPU replays actually run (cache misses)
 
-    def replay(self, plan: Plan, objective: LatencyObjective | None = None, partial: bool = False
+    def replay(self, plan: Plan, objective: Objective | None = None, partial: bool = False
                ) -> FleetReplay:
         return self.replay_many([plan], objective, partial)[0]
 
-    def replay_many(self, plans: list[Plan], objective: LatencyObjective | None = None, partial: bool = False
+    def replay_many(self, plans: list[Plan], objective: Objective | None = None, partial: bool = False
                     ) -> list[FleetReplay]:
         """Replay several plans; their distinct uncached GPUs run in one parallel batch."""
         split = [split_plan(p, self.derived, self.draws, partial) for p in plans]
@@ -332,4 +317,4 @@ class Replayer:
                 self.cache[key] = r
             self.simulated += len(todo)
         return [FleetReplay(gpus=[self.cache[t.key] for t in tasks], window_s=self.derived.replay_window_s,
-                            objective=objective or LatencyObjective()) for tasks in split]
+                            objective=objective or Objective.throughput()) for tasks in split]

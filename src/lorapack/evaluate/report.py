@@ -16,9 +16,7 @@ from ..checks import write_text_atomic
 from ..textfiles import fmt, json_safe
 from .runner import CONTRACT_KEYS
 
-BASELINES = ("dlora", "loraserve", "least-adapters", "round-robin", "proposed-lat")
 PROPOSED = "proposed"
-VERIFIED = ("proposed", "proposed-fast", "proposed-exact")
 PAPER_SAVING = 0.60
 GAP_GPUS, GAP_FRAC, GAP_MAX_N, GAP_TARGET = 1, 0.05, 256, 0.90
 
@@ -56,12 +54,21 @@ def _within_gap(g: int | None, lb: int) -> bool:
     return g is not None and (g - lb <= GAP_GPUS or g <= lb * (1 + GAP_FRAC))
 
 
+def _methods() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """From the placement registry: the baselines ``method`` is compared with, the verified (greedy) methods, and
+    the methods the paper reports a fixed-pool saving against."""
+    from ..placement.registry import method_names, methods, report_baselines
+
+    return report_baselines(), method_names("greedy"), tuple(m.name for m in methods() if m.paper_fixed_pool)
+
+
 def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
     """The issue's acceptance figures for ``method`` over the scenarios that ran it."""
     rows = [sc for sc in doc["scenarios"] if method in sc["methods"] and not sc["methods"][method].get("error")]
     out: dict[str, Any] = {"method": method, "scenarios": len(rows)}
     if not rows:
         return out
+    baselines, _, paper = _methods()
     planned = [sc for sc in rows if not sc["methods"][method].get("infeasible")]
     bad = [sc["name"] for sc in planned
            if (sc["methods"][method].get("starved_gpus") or 0) or (sc["methods"][method].get("oom_gpus") or 0)
@@ -81,7 +88,7 @@ def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
     more, ties, fewer = [], defaultdict(int), defaultdict(int)
     for sc in planned:
         g = sc["methods"][method].get("gpus_used")
-        for b in BASELINES:
+        for b in baselines:
             r = sc["methods"].get(b)
             if r is None or g is None or r.get("error"):
                 continue
@@ -101,13 +108,13 @@ def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
     for sc in rows:
         if sc in planned:
             continue
-        have = [b for b in BASELINES if (sc["methods"].get(b) or {}).get("gpus_used") is not None]
+        have = [b for b in baselines if (sc["methods"].get(b) or {}).get("gpus_used") is not None]
         if have:
             lost.append({"scenario": sc["name"], "baselines": have})
     out["vs_baselines"] = {"more_gpus": more, "ties": dict(ties), "fewer": dict(fewer),
                            "no_plan_where_baseline_has_one": lost}
     savings: dict[str, Any] = {}
-    for b in ("dlora", "loraserve"):
+    for b in paper:
         pairs = []
         for sc in rows:
             mine, theirs = sc["methods"][method], sc["methods"].get(b)
@@ -166,10 +173,11 @@ def _table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> str:
 
 def summary_markdown(doc: dict[str, Any]) -> str:
     """The acceptance figures of every verified greedy method that ran, as Markdown bullets."""
-    blocks = [_method_summary(doc, m) for m in VERIFIED]
+    verified = _methods()[1]
+    blocks = [_method_summary(doc, m) for m in verified]
     blocks = [b for b in blocks if b]
     return "\n\n".join(blocks) if blocks else "No scenario ran a verified greedy method (" + ", ".join(
-        f"`{m}`" for m in VERIFIED) + ")."
+        f"`{m}`" for m in verified) + ")."
 
 
 def _method_summary(doc: dict[str, Any], method: str) -> str:
@@ -208,7 +216,7 @@ def _method_summary(doc: dict[str, Any], method: str) -> str:
             f"{x['scenario']} ({', '.join(x['baselines'])})" for x in vs["no_plan_where_baseline_has_one"]) + ".")
     if vs["ties"] or vs["fewer"]:
         lines.append("- Ties / fewer GPUs than each baseline: " + ", ".join(
-            f"{b} {vs['ties'].get(b, 0)} / {vs['fewer'].get(b, 0)}" for b in BASELINES
+            f"{b} {vs['ties'].get(b, 0)} / {vs['fewer'].get(b, 0)}" for b in _methods()[0]
             if b in vs["ties"] or b in vs["fewer"]) + ".")
     for b, s in a["fixed_pool_saving"].items():
         if s["scenarios"]:

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LorapackError
+from ..objective import Objective
 from ..placement.plan import Plan
 from ..placement.search import bisect_smallest, first_true
 from ..profile import Profile
 from ..spec import Workload
 from ..workload.derive import DerivedWorkload, DeriveOptions, derive_workload, profile_lengths
 from .methods import Bounds, Placer, PlaceRequest
-from .replay import FleetReplay, LatencyObjective, Mapper, Replayer
+from .replay import FleetReplay, Mapper, Replayer
 from .scenario import Scenario
 
 NAN = float("nan")
@@ -105,7 +106,7 @@ class Context:
 
 
 def _request(sc: Scenario, method: str, gpus: int | None) -> PlaceRequest:
-    return PlaceRequest(method=method, gpus=gpus, objective=sc.objective, limits=_limits(sc), headroom=sc.headroom,
+    return PlaceRequest(method=method, gpus=gpus, objective=sc.objective, limits=sc.objective_limits, headroom=sc.headroom,
                         verify=sc.verify, seed=sc.seed, split_hot=sc.split_hot)
 
 
@@ -116,14 +117,6 @@ def _workload(ctx: Context, sc: Scenario) -> Workload:
 
 def _place(placer: Placer, ctx: Context, sc: Scenario, method: str, gpus: int | None) -> Plan:
     return placer.place(_workload(ctx, sc), ctx.profile, _request(sc, method, gpus))
-
-
-def _limits(sc: Scenario) -> LatencyObjective | None:
-    lim = sc.objective_limits
-    if lim is None:
-        return None
-    return LatencyObjective(max_ttft_s=lim.max_ttft_s, max_ttft_p99_s=lim.max_ttft_p99_s,
-                            max_itl_ms=lim.max_itl_ms, max_itl_p99_ms=lim.max_itl_p99_ms)
 
 
 def search_cap(lower_bound: int, start: int, n_adapters: int) -> int:
@@ -159,7 +152,7 @@ def smallest_clean_pool(place: Callable[[int], Plan], replay: Callable[[Plan], F
     return best, probes
 
 
-def run_method(placer: Placer, ctx: Context, sc: Scenario, method: str, objective: LatencyObjective
+def run_method(placer: Placer, ctx: Context, sc: Scenario, method: str, objective: Objective
                ) -> dict[str, Any]:
     """Both protocols for one method (see the module docstring)."""
     def replay(plan: Plan) -> FleetReplay:
@@ -289,7 +282,7 @@ def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple
         if bkey not in ctx.bound_cache:
             ctx.bound_cache[bkey] = placer.lower_bound(_workload(ctx, sc), ctx.profile, _request(sc, "", None))
         ctx.bounds = ctx.bound_cache[bkey]
-        objective = placer.objective(sc.objective, _limits(sc))
+        objective = placer.objective(sc.objective, sc.objective_limits)
         d = ctx.derived
         entry: dict[str, Any] = {
             "name": sc.name, "n_adapters": sc.n_adapters, "load_scale": sc.load_scale,

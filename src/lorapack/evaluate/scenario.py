@@ -47,6 +47,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..errors import SpecError
+from ..objective import Objective
 from ..spec import FIELD_MODELS, FrozenModel, finite_nonnegative, finite_positive, reject_bool
 from ..textfiles import validate_yaml_file
 from ..workload.derive import DEFAULT_JITTER_S, DEFAULT_SPLIT_S, PROTOCOLS, AdapterWeights, parse_weights
@@ -54,7 +55,6 @@ from ..workload.derive import DEFAULT_JITTER_S, DEFAULT_SPLIT_S, PROTOCOLS, Adap
 SHIPPED_TRACES = {"azure-conv": "azure-llm-2023-conv.csv", "azure-code": "azure-llm-2023-code.csv"}
 SHIPPED_MAX_LOAD_SCALE = 30.0  # ×30 on the conversation trace ≈ 166 req/s, the paper's ×100 on 1.65 req/s
 OBJECTIVE_NAMES = ("default", "throughput")
-OBJECTIVE_KEYS = ("max_ttft_s", "max_ttft_p99_s", "max_itl_ms", "max_itl_p99_ms")
 
 
 def _as_list(value: Any) -> Any:
@@ -88,33 +88,6 @@ class WindowsSpec(FrozenModel):
     _ji = field_validator("jitter_s")(finite_nonnegative)
 
 
-class ObjectiveSpec(FrozenModel):
-    """Latency limits per GPU (any subset); ``default`` / ``throughput`` name the placement presets."""
-
-    max_ttft_s: float | None = None
-    max_ttft_p99_s: float | None = None
-    max_itl_ms: float | None = None
-    max_itl_p99_ms: float | None = None
-
-    @field_validator(*OBJECTIVE_KEYS, mode="before")
-    @classmethod
-    def _positive(cls, value: Any) -> Any:
-        reject_bool(value)
-        if value is not None and (not isinstance(value, int | float) or not math.isfinite(value) or value <= 0):
-            raise ValueError("expected a finite number > 0")
-        return value
-
-    @model_validator(mode="after")
-    def _some(self) -> ObjectiveSpec:
-        if all(getattr(self, k) is None for k in OBJECTIVE_KEYS):
-            raise ValueError(f"expected at least one of {', '.join(OBJECTIVE_KEYS)}")
-        return self
-
-    def label(self) -> str:
-        return "+".join(f"{k.removeprefix('max_')}{getattr(self, k):g}" for k in OBJECTIVE_KEYS
-                        if getattr(self, k) is not None)
-
-
 class ScenarioFile(FrozenModel):
     """A scenario YAML as written (see the module docstring)."""
 
@@ -130,7 +103,7 @@ class ScenarioFile(FrozenModel):
     lengths: Literal["profile", "trace"] = "profile"
     windows: WindowsSpec = WindowsSpec()
     fixed_pool: int | None = None
-    objective: list[str | ObjectiveSpec] = Field(default_factory=lambda: ["default"], min_length=1)
+    objective: list[str | Objective] = Field(default_factory=lambda: ["default"], min_length=1)
     methods: list[str] | None = None
     headroom: float | None = None
     verify: bool = True
@@ -222,21 +195,13 @@ class ScenarioFile(FrozenModel):
     @field_validator("objective", mode="before")
     @classmethod
     def _objectives(cls, value: Any) -> Any:
-        from pydantic import ValidationError
-
         out = []
         for v in _as_list(value):
             if isinstance(v, dict):
-                try:
-                    v = ObjectiveSpec.model_validate(v)
-                except ValidationError as exc:
-                    err = exc.errors(include_url=False)[0]
-                    where = ".".join(str(x) for x in err["loc"])
-                    msg = err["msg"].removeprefix("Value error, ")
-                    raise ValueError(f"{where + ': ' if where else ''}{msg}") from None
-            elif v not in OBJECTIVE_NAMES:
+                v = Objective.limits_only(v)  # its SpecError (a ValueError) names the key
+            elif not isinstance(v, Objective) and v not in OBJECTIVE_NAMES:
                 raise ValueError(f"expected {' or '.join(OBJECTIVE_NAMES)} or a mapping of "
-                                 f"{', '.join(OBJECTIVE_KEYS)} (got {v!r})")
+                                 f"{', '.join(Objective.keys())} (got {v!r})")
             out.append(v)
         return _distinct(out)
 
@@ -277,7 +242,7 @@ class Scenario:
     jitter_s: float
     fixed_pool: int | None
     objective: str  # "default", "throughput" or "custom"
-    objective_limits: ObjectiveSpec | None  # for "custom"
+    objective_limits: Objective | None  # for "custom"
     methods: tuple[str, ...] | None
     headroom: float | None
     verify: bool
@@ -422,7 +387,7 @@ def load_scenarios(path: str | Path) -> list[Scenario]:
         parts += [f"r{'-'.join(map(str, ranks))}", f"n{n}", f"x{_fmt_num(k)}"]
         if len(spec.weights) > 1:
             parts.append(w.replace(":", ""))
-        limits = obj if isinstance(obj, ObjectiveSpec) else None
+        limits = obj if isinstance(obj, Objective) else None
         obj_name = "custom" if limits is not None else obj
         if len(spec.objective) > 1:
             parts.append(limits.label() if limits is not None else obj_name)

@@ -14,24 +14,18 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import SpecError
-from ..oracle import CandidateArrivals, Oracle, Prediction, check_candidate_arrivals, default_slot_rank
+from ..objective import Objective
+from ..oracle import CandidateArrivals, Oracle, Prediction, default_slot_rank
 from ..profile import Profile
 from ..server import ServerConfig
-from .baselines import (
-    Assignment,
-    dlora,
-    least_adapters,
-    loraserve,
-    loraserve_min_gpus,
-    proposed_lat,
-    round_robin,
-    shares_of,
-)
+from .baselines import Assignment, shares_of
 from .bound import CapacityFn, LowerBound, latency_capacity, lower_bound, twin_capacity
+from .config import DEFAULT_VERIFY_SEEDS, PlaceConfig
 from .greedy import (
     N_MAX,
     GpuFill,
@@ -46,23 +40,15 @@ from .greedy import (
 )
 from .oracles import ParallelTwinOracle, default_workers, exact_oracle, learned_oracle
 from .plan import GpuMetrics, GpuPlan, Plan
-from .problem import DEFAULT_HEADROOM, Instance, Objective, instance_from_workload, split_entries
+from .problem import Instance, instance_from_workload, split_entries
+from .registry import Method, get_method
 from .search import bisect_smallest
 from .verify import RepairLog, Verdict, fill_candidate, repair, verify_fills
 
-GREEDY_METHODS = ("proposed", "proposed-fast", "proposed-exact")
-POOL_METHODS = ("proposed-lat", "dlora", "loraserve", "least-adapters", "round-robin")
-METHODS = GREEDY_METHODS + POOL_METHODS
-# which oracle a method asks: learned models (kind for lorapack.surrogate.load_oracle) or the twin
-METHOD_ORACLE = {"proposed": "surrogate", "proposed-fast": "tree", "proposed-exact": "twin",
-                 "proposed-lat": "surrogate"}
-# methods that keep at most N_max adapters per GPU when ``n_max`` is given (a hard cap); with the default (soft:
-# the greedy's testing points stop at N_MAX, the twin-verified consolidation may go beyond) and for the pool
-# methods the bound is the one without that row
-NMAX_METHODS = GREEDY_METHODS
-DEFAULT_VERIFY_SEEDS = 3
+if TYPE_CHECKING:
+    from ..spec import Workload
+
 VERIFY_DURATION_S = 3600.0
-VERIFY_OWN_LAWS = ("lognormal", "modulated")  # a workload's arrival law the verifier adopts by default
 # --split-hot: replicas carry at most this fraction of the capacity K(S) each (room to share a GPU)
 SPLIT_TARGET = 0.5
 MAX_SPLIT_ROUNDS = 6
@@ -70,10 +56,19 @@ MAX_SPLIT_ROUNDS = 6
 Progress = Callable[[str], None]
 
 
-def check_method(method: str) -> str:
-    if method not in METHODS:
-        raise SpecError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
-    return method
+@dataclass(frozen=True)
+class OracleOverrides:
+    """What replaces an oracle ``place()`` would build: toy oracles in tests, a benchmark's warm oracle,
+    ``evaluate``'s verifier shared by its methods. ``oracle``: the method's own; ``search_oracle``: the twin
+    of the smallest-pool search, round-robin's ``A`` and the repair probes; ``verify_oracle``: the verifier;
+    ``capacity`` / ``latency_capacity``: the bound's ``C(S)`` / ``L(S)`` (a toy ``capacity`` without a
+    ``latency_capacity`` drops the latency row, which only the twin can simulate)."""
+
+    oracle: Oracle | None = None
+    search_oracle: Oracle | None = None
+    verify_oracle: Oracle | None = None
+    capacity: CapacityFn | None = None
+    latency_capacity: CapacityFn | None = None
 
 
 @dataclass
@@ -98,10 +93,21 @@ class Context:
         if self.progress is not None:
             self.progress(msg)
 
-    def method_oracle(self, method: str) -> Oracle:
+    @classmethod
+    def of(cls, profile: Profile, config: PlaceConfig, overrides: OracleOverrides,
+           verify_arrivals: CandidateArrivals | None, progress: Progress | None = None) -> Context:
+        """The context of one ``place()`` / ``verify_plan()`` call."""
+        n_max = N_MAX if config.n_max is None else config.n_max
+        return cls(profile=profile, objective=config.objective, seed=int(config.seed),
+                   workers=config.worker_count(), models_dir=config.models_dir, oracle=overrides.oracle,
+                   search_oracle=overrides.search_oracle, verify_oracle=overrides.verify_oracle,
+                   verify_arrivals=verify_arrivals, capacity=overrides.capacity,
+                   options=GreedyOptions(n_max=n_max), progress=progress)
+
+    def oracle_of(self, kind: str) -> Oracle:
+        """The oracle of ``kind`` (``registry.ORACLE_KINDS``) unless ``oracle`` overrides the method's own."""
         if self.oracle is not None:
             return self.oracle
-        kind = METHOD_ORACLE[method]
         if kind == "twin":
             return self.twin()
         if kind not in self._cache:
@@ -155,12 +161,6 @@ def verify_seeds_of(seed: int, n: int) -> list[int]:
     return [seed + 1000 + i for i in range(n)]
 
 
-def workload_verify_law(workload: object) -> CandidateArrivals | None:
-    """The arrival law verification adopts from a workload by default: its own when lognormal or modulated."""
-    arrivals = getattr(workload, "arrivals", None)
-    return arrivals if getattr(arrivals, "kind", None) in VERIFY_OWN_LAWS else None
-
-
 def verification_latency_row(profile: Profile, inst: Instance, objective: Objective,
                              arrivals: CandidateArrivals | None, seed: int, verify_seeds: int,
                              capacity: CapacityFn | None = None) -> CapacityFn:
@@ -178,23 +178,10 @@ def verification_latency_row(profile: Profile, inst: Instance, objective: Object
 
 def assign(method: str, inst: Instance, ctx: Context, gpus: int) -> Assignment:
     """One run of a pool method on ``gpus`` GPUs (no verification)."""
-    if method == "proposed-lat":
-        return proposed_lat(inst, ctx.profile, gpus, ctx.method_oracle(method), ctx.objective)
-    if method == "dlora":
-        return dlora(inst, ctx.profile, gpus)
-    if method == "loraserve":
-        return loraserve(inst, gpus, _op(inst, ctx))
-    if method == "least-adapters":
-        return least_adapters(inst, gpus)
-    if method == "round-robin":
-        return round_robin(inst, ctx.profile, gpus, ctx.twin(), ctx.objective, ctx.options)
-    raise SpecError(f"{method} opens GPUs itself; it is not a fixed-pool method")
-
-
-def _op(inst: Instance, ctx: Context) -> dict[int, float]:
-    """LoRAServe's operating point per slot rank: the twin's saturated throughput C(S) of the bound."""
-    cap = ctx.cap(inst)
-    return {s: cap(s) for s in sorted({default_slot_rank(int(r)) for r in inst.ranks})}
+    m = get_method(method)
+    if m.run is None:
+        raise SpecError(f"{method} opens GPUs itself; it is not a fixed-pool method")
+    return m.run(inst, ctx, gpus)
 
 
 def gpus_pass(inst: Instance, ctx: Context, a: Assignment, oracle: Oracle) -> bool:
@@ -211,8 +198,9 @@ def smallest_pool(method: str, inst: Instance, ctx: Context, lo: int, hi: int | 
                   validate: bool = True) -> tuple[int | None, Assignment | None, dict]:
     """§4.8's minimum-G search by bisection: the smallest G the method accepts and (``validate``) whose GPUs
     all meet the objective in the twin's opinion (``ctx.twin()``: one seed, early termination)."""
-    if method == "loraserve":
-        lo = max(lo, loraserve_min_gpus(inst, _op(inst, ctx)))
+    m = get_method(method)
+    if m.min_gpus is not None:
+        lo = max(lo, m.min_gpus(inst, ctx))
     hi = hi if hi is not None else lo + max(inst.n, 8)
     last: dict[int, Assignment] = {}
 
@@ -224,7 +212,7 @@ def smallest_pool(method: str, inst: Instance, ctx: Context, lo: int, hi: int | 
             a.extra["validated"] = False
             return False
         ok = True
-        if validate and method != "round-robin":  # round-robin's accept is already the twin's opinion
+        if validate and not m.self_validated:
             ok = gpus_pass(inst, ctx, a, ctx.twin())
         a.extra["validated"] = ok
         return ok
@@ -323,62 +311,44 @@ def build_plan(method: str, inst: Instance, profile: Profile, fills: list[GpuFil
     return Plan(method=method, model=profile.model, gpu_type=profile.gpu, gpus=gpus)
 
 
-def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | None = None,
-          objective: Objective | None = None, headroom: float = DEFAULT_HEADROOM, verify: bool = True,
-          verify_seeds: int = DEFAULT_VERIFY_SEEDS, seed: int = 0, split_hot: bool = False, n_max: int | None = None,
-          models_dir: Path | None = None, oracle: Oracle | None = None, search_oracle: Oracle | None = None,
-          verify_oracle: Oracle | None = None, capacity: CapacityFn | None = None, validate_search: bool = True,
-          workers: int | None = None, mean_input_tokens: float | None = None,
-          mean_output_tokens: float | None = None, verify_arrivals: CandidateArrivals | None = None,
-          latency_capacity: CapacityFn | None = None, latency_bound: bool = True,
-          progress: Progress | None = None) -> Plan:
-    """Place ``adapters`` (an ``Instance``, or a ``lorapack.spec.Workload``) with ``method``.
+def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig | None = None,
+          overrides: OracleOverrides | None = None, progress: Progress | None = None) -> Plan:
+    """Place ``adapters`` (an ``Instance``, or a ``lorapack.spec.Workload``) as ``config`` says (default
+    ``PlaceConfig()``: ``proposed``, smallest pool, mean TTFT <= 2 s, verified).
 
-    ``gpus``: the pool (None = as many as needed: the greedy opens GPUs, pool methods run the smallest-pool
-    search). ``objective``: default ``Objective()`` (mean TTFT <= 2 s, not starved). ``headroom``: rates are
-    planned x (1 + headroom) (ignored for an ``Instance``, which carries its own). ``verify``: twin
-    verification (``verify_seeds`` seeds, full hour) and repair; the verifier simulates ``verify_arrivals`` (a
-    ``spec`` arrival law of kind poisson / lognormal / modulated; default: a ``Workload``'s own law when it is
-    lognormal or modulated, else Poisson) at the planned rates, while the searches and the method's own twin
-    stay Poisson (their early termination assumes steady arrivals). ``oracle`` overrides the method's oracle,
-    ``search_oracle`` the twin used by the search / round-robin / repair probes, ``verify_oracle`` the
-    verifier and ``capacity`` the bound's ``C(S)`` (toy oracles in tests). Under an objective with latency limits
-    the bound has a latency row ``L(S)`` (``bound`` module; ``latency_capacity`` replaces it, ``latency_bound=False``
-    drops it). Deterministic for a given seed.
+    ``config.gpus``: the pool (None = as many as needed: the greedy opens GPUs, pool methods run the
+    smallest-pool search). ``config.headroom``: rates are planned x (1 + headroom) (ignored for an
+    ``Instance``, which carries its own; so are the mean lengths). ``config.verify``: twin verification
+    (``verify_seeds`` seeds, full hour) and repair; the verifier simulates ``config.verify_law(adapters)`` at
+    the planned rates, while the searches and the method's own twin stay Poisson (their early termination
+    assumes steady arrivals). ``overrides`` replace the oracles ``place`` would build (``OracleOverrides``).
+    Under an objective with latency limits the bound has a latency row ``L(S)`` (``bound`` module).
+    Deterministic for a given seed.
 
-    ``n_max``: None (default) = soft: the greedy's testing points stop at ``N_MAX`` (384, the most adapters per
-    GPU in the real runs and the learned models' training data), and after verification the greedy methods try
-    plans on fewer GPUs judged by the twin (``_consolidate``), which may put more adapters on a GPU -- as the
-    pool baselines may; the plan's bound is then the one without the N_max row. An integer is a hard cap for
-    the greedy, the consolidation and the bound alike.
+    ``config.n_max``: None (default) = soft: the greedy's testing points stop at ``N_MAX`` (384, the most
+    adapters per GPU in the real runs and the learned models' training data), and after verification the
+    greedy methods try plans on fewer GPUs judged by the twin (``_consolidate``), which may put more adapters
+    on a GPU -- as the pool baselines may; the plan's bound is then the one without the N_max row. An integer
+    is a hard cap for the greedy, the consolidation and the bound alike.
     """
-    check_method(method)
-    objective = objective if objective is not None else Objective()
-    if gpus is not None and (isinstance(gpus, bool) or int(gpus) != gpus or gpus < 1):
-        raise SpecError(f"--gpus {gpus}: expected a positive integer")
-    if not isinstance(verify_seeds, int) or verify_seeds < 1:
-        raise SpecError(f"verify_seeds {verify_seeds}: expected a positive integer")
-    if n_max is not None and (isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1):
-        raise SpecError(f"n_max {n_max}: expected a positive integer")
-    hard_n_max = n_max is not None
-    n_max = N_MAX if n_max is None else n_max
-    if verify_arrivals is None:
-        verify_arrivals = workload_verify_law(adapters)
-    check_candidate_arrivals(verify_arrivals)
+    config = config if config is not None else PlaceConfig()
+    overrides = overrides if overrides is not None else OracleOverrides()
+    method = get_method(config.method)
+    objective, verify, verify_seeds = config.objective, config.verify, config.verify_seeds
+    hard_n_max = config.n_max is not None
+    verify_arrivals = config.verify_law(adapters)
     inst = adapters if isinstance(adapters, Instance) else instance_from_workload(
-        adapters, headroom=headroom, mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens)
-    ctx = Context(profile=profile, objective=objective, seed=int(seed),
-                  workers=default_workers() if workers is None else int(workers), models_dir=models_dir,
-                  oracle=oracle, search_oracle=search_oracle, verify_oracle=verify_oracle,
-                  verify_arrivals=verify_arrivals, capacity=capacity,
-                  options=GreedyOptions(n_max=n_max), progress=progress)
-    settings = {"objective": objective.to_dict(), "headroom": inst.headroom, "seed": int(seed), "pool": gpus,
-                "verify": verify, "verify_seeds": verify_seeds if verify else 0, "n_max": n_max,
+        adapters, headroom=config.headroom, mean_input_tokens=config.mean_input_tokens,
+        mean_output_tokens=config.mean_output_tokens)
+    ctx = Context.of(profile, config, overrides, verify_arrivals, progress)
+    n_max = ctx.options.n_max
+    settings = {"objective": objective.to_dict(), "headroom": inst.headroom, "seed": int(config.seed),
+                "pool": config.gpus, "verify": verify, "verify_seeds": verify_seeds if verify else 0, "n_max": n_max,
                 "n_max_hard": hard_n_max,
                 "verify_arrivals": _law(verify_arrivals) if verify else None,
-                "split_hot": split_hot, "mean_input_tokens": inst.mean_input_tokens,
+                "split_hot": config.split_hot, "mean_input_tokens": inst.mean_input_tokens,
                 "mean_output_tokens": inst.mean_output_tokens,
-                "oracle": getattr(oracle, "name", None) or METHOD_ORACLE.get(method, "none"),
+                "oracle": getattr(overrides.oracle, "name", None) or method.oracle or "none",
                 "vllm_version": profile.vllm_version}  # the rule set the twin followed (place --vllm-version)
     # how a measured profile's server ran (serve.sh pins them); left out at the shipped profiles' values
     for key, value, neutral in (("measured_gpu_memory_utilization", profile.measured_gpu_memory_utilization, 0.9),
@@ -389,14 +359,14 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
 
     ctx.say("lower bound")
     # the latency row needs the twin: skipped with a toy capacity unless a toy latency capacity comes with it
-    lat_cap = latency_capacity if latency_capacity is not None or capacity is not None or not latency_bound \
+    lat_cap = overrides.latency_capacity if overrides.latency_capacity is not None or overrides.capacity is not None \
         or not objective.limits() else ctx.lat_cap(inst, verify_seeds)
     bound = lower_bound(inst, profile, n_max=n_max, capacity=ctx.cap(inst), latency_capacity=lat_cap)
     diagnostics: dict = {}
-    if bound.hot_adapters and not split_hot:
+    if bound.hot_adapters and not config.split_hot:
         return _infeasible(method, profile, settings, bound, diagnostics,
                            _hot_message(bound, inst), hot=bound.hot_adapters)
-    if split_hot:
+    if config.split_hot:
         reps = _hot_split(inst, bound)
         if reps:
             diagnostics["split"] = {inst.adapter_ids[i]: k for i, k in reps.items()}
@@ -405,7 +375,7 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
 
     t0 = time.perf_counter()
     try:
-        fills, info, inst = _run(method, inst, ctx, gpus, bound, split_hot, diagnostics)
+        fills, info, inst = _run(method, inst, ctx, config, bound, diagnostics)
     except Infeasible as e:
         settings["gpus_needed"] = e.gpus_needed
         return _infeasible(method, profile, settings, bound, diagnostics, str(e), hot=e.hot,
@@ -424,7 +394,7 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
         sims_before = (getattr(verifier, "n_simulations", 0), getattr(verifier, "cache_hits", 0))
         before = len(fills)
         try:
-            fills, verdicts, log = repair(inst, profile, fills, objective, verifier, ctx.twin(), pool=gpus,
+            fills, verdicts, log = repair(inst, profile, fills, objective, verifier, ctx.twin(), pool=config.gpus,
                                           options=ctx.options,
                                           on_round=lambda r, n: ctx.say(f"repairing {n} GPU(s), round {r}"))
         except Infeasible as e:
@@ -433,7 +403,7 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
                                placement_ms=placement_ms, verification_ms=(time.perf_counter() - t1) * 1e3)
         fills = _normalise(inst, fills)
         consolidated = None
-        if method in GREEDY_METHODS and ctx.options.rebalance:
+        if method.greedy and ctx.options.rebalance:
             floor = bound.gpus if hard_n_max else bound.gpus_no_nmax
             limit = n_max if hard_n_max else inst.n
             fills, verdicts, consolidated = _consolidate(inst, ctx, fills, verdicts, verifier, floor, limit)
@@ -442,7 +412,7 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
         if consolidated is not None:
             verification["consolidated"] = consolidated
 
-    plan = build_plan(method, inst, profile, fills, verdicts)
+    plan = build_plan(method.name, inst, profile, fills, verdicts)
     plan.placement_ms = placement_ms
     plan.verification_ms = verification_ms
     plan.lower_bound_gpus = method_lower_bound(method, bound, hard_n_max)
@@ -453,19 +423,14 @@ def place(adapters, profile: Profile, method: str = "proposed", *, gpus: int | N
     return plan
 
 
-def verify_plan(plan: Plan, adapters, profile: Profile, *, objective: Objective | None = None,
-                headroom: float = DEFAULT_HEADROOM, verify_seeds: int = DEFAULT_VERIFY_SEEDS, seed: int = 0,
-                verify_arrivals: CandidateArrivals | None = None, workers: int | None = None,
+def verify_plan(plan: Plan, adapters: Instance | Workload, profile: Profile, config: PlaceConfig | None = None,
                 verify_oracle: Oracle | None = None) -> list[Verdict]:
-    """Any method's plan judged by ``place()``'s verification with the same settings (seeds, hour, arrival law,
-    objective, rates x (1 + headroom)): a baseline's plan, say, compared with a proposed plan on equal terms.
-    One verdict per GPU of the plan (its adapters at their routing weights, its ``--max-loras``);
-    ``verify_oracle`` replaces the twin (toy oracles in tests)."""
-    objective = objective if objective is not None else Objective()
-    if verify_arrivals is None:
-        verify_arrivals = workload_verify_law(adapters)
-    check_candidate_arrivals(verify_arrivals)
-    inst = adapters if isinstance(adapters, Instance) else instance_from_workload(adapters, headroom=headroom)
+    """Any method's plan judged by ``place()``'s verification with the same settings (``config``'s seeds,
+    objective, arrival law, rates x (1 + headroom)): a baseline's plan, say, compared with a proposed plan on
+    equal terms. One verdict per GPU of the plan (its adapters at their routing weights, its ``--max-loras``);
+    ``verify_oracle`` replaces the twin (toy oracles in tests, evaluate's shared verifier)."""
+    config = config if config is not None else PlaceConfig()
+    inst = adapters if isinstance(adapters, Instance) else instance_from_workload(adapters, headroom=config.headroom)
     entry = {a: i for i, a in enumerate(inst.adapter_ids)}
     fills = []
     for g in plan.gpus:
@@ -477,10 +442,8 @@ def verify_plan(plan: Plan, adapters, profile: Profile, *, objective: Objective 
         if any(abs(x - 1.0) > 1e-12 for x in shares):
             f.extra["shares"] = shares
         fills.append(f)
-    ctx = Context(profile=profile, objective=objective, seed=int(seed),
-                  workers=default_workers() if workers is None else int(workers), verify_arrivals=verify_arrivals,
-                  verify_oracle=verify_oracle)
-    return verify_fills(inst, profile, fills, objective, ctx.verifier(verify_seeds))
+    ctx = Context.of(profile, config, OracleOverrides(verify_oracle=verify_oracle), config.verify_law(adapters))
+    return verify_fills(inst, profile, fills, config.objective, ctx.verifier(config.verify_seeds))
 
 
 def _law(arrivals: CandidateArrivals | None) -> dict:
@@ -494,9 +457,11 @@ def _law(arrivals: CandidateArrivals | None) -> dict:
     return d
 
 
-def method_lower_bound(method: str, bound: LowerBound, hard_n_max: bool) -> int:
-    """The bound a method's plan is held to: with the N_max row only where the method keeps that cap."""
-    return bound.gpus if method in NMAX_METHODS and hard_n_max else bound.gpus_no_nmax
+def method_lower_bound(method: Method, bound: LowerBound, hard_n_max: bool) -> int:
+    """The bound a method's plan is held to: with the N_max row only where the method keeps that cap (the greedy
+    methods with a hard ``n_max``; with the soft default the twin-verified consolidation may go beyond it, and
+    the pool methods never keep it)."""
+    return bound.gpus if method.greedy and hard_n_max else bound.gpus_no_nmax
 
 
 def _consolidation_candidates(inst: Instance, ctx: Context, gpus: int, options: GreedyOptions
@@ -590,9 +555,10 @@ def _hot_message(bound: LowerBound, inst: Instance) -> str:
             f"split them over several GPUs with --split-hot")
 
 
-def _infeasible(method: str, profile: Profile, settings: dict, bound: LowerBound, diagnostics: dict, reason: str,
+def _infeasible(method: Method, profile: Profile, settings: dict, bound: LowerBound, diagnostics: dict, reason: str,
                 hot=(), placement_ms: float = math.nan, verification_ms: float = math.nan) -> Plan:
-    return Plan(method=method, model=profile.model, gpu_type=profile.gpu, gpus=[], infeasible=True, reason=reason,
+    return Plan(method=method.name, model=profile.model, gpu_type=profile.gpu, gpus=[], infeasible=True,
+                reason=reason,
                 lower_bound_gpus=method_lower_bound(method, bound, settings.get("n_max_hard", True)),
                 lower_bound=bound.to_dict(), settings=settings,
                 diagnostics={**diagnostics, "hot_adapters": list(hot)}, placement_ms=placement_ms,
@@ -642,12 +608,14 @@ def _needed(inst: Instance, ctx: Context, oracle: Oracle, pool: int) -> int:
     return len(fills)
 
 
-def _run(method: str, inst: Instance, ctx: Context, gpus: int | None, bound: LowerBound, split_hot: bool,
-         diagnostics: dict) -> tuple[list[GpuFill], dict, Instance]:
+def _run(m: Method, inst: Instance, ctx: Context, config: PlaceConfig, bound: LowerBound, diagnostics: dict
+         ) -> tuple[list[GpuFill], dict, Instance]:
     """The method itself (timed by the caller)."""
     info: dict = {}
-    if method in GREEDY_METHODS:
-        oracle = ctx.method_oracle(method)
+    method, gpus, split_hot = m.name, config.gpus, config.split_hot
+    if m.greedy:
+        assert m.oracle is not None  # a greedy method is its oracle (``registry.Method``)
+        oracle = ctx.oracle_of(m.oracle)
         # a learned method's own model is double-checked by the twin where it would give up on an empty GPU
         confirm = ctx.twin() if getattr(oracle, "learned", False) else None
         origin = "greedy"

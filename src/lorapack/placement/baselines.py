@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..objective import Objective
 from ..oracle import Oracle, default_slot_rank
 from ..profile import Profile
 from ..twin.jitcache import cached_njit
 from .greedy import SLOT_GRID, GpuFill, GreedyOptions, MemoryRule
-from .problem import Instance, Objective
+from .problem import Instance
 
 # LoRAServe's operating points of the paper (tokens/s per GPU serving one rank), a reference profile;
 # lorapack derives its own from the twin (``bound.gpu_capacity``).

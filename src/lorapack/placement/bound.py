@@ -41,11 +41,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import LorapackError
+from ..objective import STARVATION_RATIO, Objective
 from ..oracle import CandidateArrivals, default_slot_rank
 from ..profile import Profile
 from ..server import ServerConfig
 from .greedy import N_MAX
-from .problem import STARVATION_RATIO, Instance, Objective
+from .problem import Instance
 
 CAPACITY_FORMAT = 1
 CAPACITY_DURATION_S = 1800.0

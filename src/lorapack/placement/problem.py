@@ -1,4 +1,5 @@
-"""The placement problem: the adapters to place (``Instance``) and what a GPU must achieve (``Objective``).
+"""The placement problem: the adapters to place (``Instance``); what a GPU must achieve is
+``lorapack.objective.Objective`` (re-exported here).
 
 An ``Instance`` is validated once, here, so the methods never see unchecked arrays: ids unique and non-empty,
 ranks integers vLLM can serve (1 ... 512), rates finite and > 0 req/s. Headroom is applied when the instance
@@ -17,81 +18,21 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import SpecError
-from ..oracle import STARVED_PROBABILITY, GpuCandidate, Prediction
+from ..objective import Objective
+from ..oracle import GpuCandidate, Prediction
 from ..profile import VLLM_LORA_RANKS, Profile
 from ..server import ServerConfig
 
-# The default latency objective (documented in docs/placement.md and `lorapack place --help`): the mean
-# time to first token of every GPU at most 2 s. An interactive chat service notices waits beyond a couple of
-# seconds; in the twin a GPU is either well below this (0.05-0.3 s: no queue) or far above (tens of seconds:
-# a queue builds), so the exact value between 1 and 10 s moves few plans.
-DEFAULT_MAX_TTFT_S = 2.0
 # Plans are made for the forecast rates x (1 + headroom): a margin for forecast error.
 DEFAULT_HEADROOM = 0.2
-# The paper's starvation label: a GPU is starved when it completes < 90 % of the offered tokens.
-STARVATION_RATIO = 0.9
 # The largest rank vLLM accepts (--max-lora-rank 512).
 MAX_VLLM_RANK = VLLM_LORA_RANKS[-1]
 
 
-@dataclass(frozen=True)
-class Objective:
-    """What every GPU of a plan must achieve besides starting: not starved (the paper's label, always), and
-    the latency limits that are set (``None`` = no limit). ``Objective()`` is the default latency objective;
-    ``Objective.throughput()`` the paper's criterion alone."""
-
-    max_ttft_s: float | None = DEFAULT_MAX_TTFT_S  # mean TTFT of completed requests
-    max_itl_ms: float | None = None  # token-weighted mean inter-token latency
-    max_ttft_p99_s: float | None = None
-    max_itl_p99_ms: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_ttft_s", "max_itl_ms", "max_ttft_p99_s", "max_itl_p99_ms"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not math.isfinite(v) or v <= 0):
-                raise SpecError(f"--{name.replace('_', '-')} {v}: expected a finite number > 0")
-
-    @classmethod
-    def throughput(cls) -> Objective:
-        """The paper's criterion: throughput >= 90 % of the offered load, no latency limit."""
-        return cls(max_ttft_s=None)
-
-    @property
-    def name(self) -> str:
-        return "latency" if self.limits() else "throughput"
-
-    def limits(self) -> dict[str, float]:
-        """The latency limits that are set, by field name."""
-        return {k: v for k in ("max_ttft_s", "max_itl_ms", "max_ttft_p99_s", "max_itl_p99_ms")
-                if (v := getattr(self, k)) is not None}
-
-    def latency_violations(self, ttft_s: float, itl_ms: float, ttft_p99_s: float, itl_p99_ms: float) -> list[str]:
-        """Names of the latency limits the values break. NaN (unknown: not predicted) breaks nothing."""
-        vals = {"max_ttft_s": ttft_s, "max_itl_ms": itl_ms, "max_ttft_p99_s": ttft_p99_s,
-                "max_itl_p99_ms": itl_p99_ms}
-        return [k for k, lim in self.limits().items() if vals[k] > lim]  # NaN > x is False
-
-    def latency_use(self, p: Prediction) -> float:
-        """The largest share of a latency limit the prediction uses (0.4 = 40 % of the tightest limit); NaN
-        when the objective sets no limit or the oracle predicts none of the limited values."""
-        vals = {"max_ttft_s": p.ttft_s, "max_itl_ms": p.itl_ms, "max_ttft_p99_s": p.ttft_p99_s,
-                "max_itl_p99_ms": p.itl_p99_ms}
-        uses = [vals[k] / lim for k, lim in self.limits().items() if math.isfinite(vals[k])]
-        return max(uses) if uses else math.nan
-
-    def check(self, p: Prediction) -> str | None:
-        """``None`` if the predicted GPU meets the objective, else the binding constraint: ``memory`` (vLLM
-        does not start), ``throughput`` (starved: the paper's label or an adapter starved) or ``latency``."""
-        if not p.fits:
-            return "memory"
-        if not p.starved < STARVED_PROBABILITY or p.adapter_starved >= STARVED_PROBABILITY:  # NaN (unknown) passes
-            return "throughput"
-        if self.latency_violations(p.ttft_s, p.itl_ms, p.ttft_p99_s, p.itl_p99_ms):
-            return "latency"
-        return None
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "min_throughput_ratio": STARVATION_RATIO, **self.limits()}
+def check_headroom(headroom: float) -> None:
+    if isinstance(headroom, bool) or not isinstance(headroom, int | float) or not math.isfinite(headroom) \
+            or headroom < 0:
+        raise SpecError(f"--headroom {headroom}: expected a finite number >= 0 (0.2 plans for rates x 1.2)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,8 +103,7 @@ def make_instance(adapter_ids: Sequence[str], ranks: Sequence[int] | np.ndarray,
     ids = [str(a) for a in adapter_ids]
     if not ids:
         raise SpecError(f"{where}: no adapters; expected at least one")
-    if isinstance(headroom, bool) or not math.isfinite(headroom) or headroom < 0:
-        raise SpecError(f"--headroom {headroom}: expected a finite number >= 0 (0.2 plans for rates x 1.2)")
+    check_headroom(headroom)
     _check_lengths(mean_input_tokens, mean_output_tokens)
     rk = np.asarray(ranks)
     rt = np.asarray(rates_rps, dtype=np.float64) if len(ids) else np.zeros(0)
