@@ -16,16 +16,25 @@ returns the results in job order. Results never depend on the backend, only the 
 
 At most ``in_flight_per_worker`` jobs per worker are submitted ahead, so an interrupted run loses little work
 and memory stays flat; leaving the ``with`` block (or an error in a job) cancels what has not started.
+
+Ctrl-C: the terminal sends SIGINT to the whole process group, workers included. Local workers never see it:
+they are started with SIGINT blocked (``_sigint_blocked``; a blocked signal mask is inherited across fork and
+exec, so a worker cannot be interrupted while it imports, before its initializer runs) and ignore it from
+then on. Only the caller gets the ``KeyboardInterrupt``; leaving the ``with`` block with it, or
+``stop_all_workers()`` (what ``lorapack``'s ``main()`` calls), ends the workers at once with SIGTERM instead of
+waiting for their running jobs: no ``KeyboardInterrupt`` tracebacks from workers, and no job left running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
@@ -36,6 +45,7 @@ BACKENDS = ("local", "ray")
 IN_FLIGHT_PER_WORKER = 3
 WATCHDOG_INTERVAL_S = 1.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+TERMINATE_GRACE_S = 5.0  # after SIGTERM, how long stopped workers get before SIGKILL
 
 
 def default_workers() -> int:
@@ -81,7 +91,81 @@ def _unblock_broken_pool(pool: ProcessPoolExecutor) -> None:
             pass
 
 
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread for the block (a SIGINT that arrives meanwhile is delivered after it).
+
+    Worker processes started in the block inherit the blocked mask (fork and exec keep it), so Ctrl-C, which
+    reaches the whole process group, cannot interrupt them while they start (CPython's resource tracker
+    starts its process the same way)."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to block
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _ignore_sigint() -> None:
+    """In a worker: Ctrl-C is the caller's to handle (it stops the workers), never a traceback here."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # ignored now: a pending one is dropped
+
+
+def _terminate_workers(pool: ProcessPoolExecutor) -> None:
+    """End the pool's worker processes now (SIGTERM, then SIGKILL after ``TERMINATE_GRACE_S``): their running
+    jobs are abandoned. The pool's manager thread then finds them gone and marks the pool broken."""
+    from multiprocessing.connection import wait as wait_sentinels
+
+    procs = [p for p in list((getattr(pool, "_processes", None) or {}).values()) if p.is_alive()]
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.terminate()  # SIGTERM's default action: the worker ends at once, without a traceback
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    alive = {p.sentinel: p for p in procs}
+    while alive and time.monotonic() < deadline:
+        for sentinel in wait_sentinels(list(alive), timeout=max(0.0, deadline - time.monotonic())):
+            alive.pop(sentinel, None)  # type: ignore[call-overload]
+    for p in alive.values():
+        with contextlib.suppress(Exception):
+            p.kill()
+    deadline = time.monotonic() + 2.0  # let the manager thread notice (``_unblock_broken_pool`` needs it)
+    while procs and not getattr(pool, "_broken", True) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+_LIVE: weakref.WeakSet[Executor] = weakref.WeakSet()
+_IN_WORKER = {"on": False}  # this process is a local worker (``_worker_init`` ran)
+
+
+def _stop_nested(signum: int, frame: object) -> None:
+    """SIGTERM to a worker that started workers of its own (``evaluate --jobs``): stop them the same way and
+    release this process's multiprocessing resources as a normal exit would (else the resource tracker warns
+    of leaked semaphores), then exit at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        stop_all_workers()
+        from multiprocessing import util
+
+        util._exit_function()  # what a worker process runs on its way out: finalizers, semaphores unlinked
+    finally:
+        os._exit(128 + signal.SIGTERM)
+
+
+def stop_all_workers() -> None:
+    """After an interrupt: end the worker processes of every executor of this process at once and close the
+    executors (their running jobs are abandoned). ``lorapack``'s ``main()`` calls it before exiting with 130."""
+    for ex in list(_LIVE):
+        with contextlib.suppress(Exception):
+            ex.close(terminate=True)
+
+
 def _worker_init(parent_pid: int, initializer: Callable[[], Any] | None) -> None:
+    _ignore_sigint()
+    _IN_WORKER["on"] = True
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # one core per worker: no nested thread pools
     _die_with_parent(parent_pid)
     if initializer is not None:
@@ -176,14 +260,18 @@ class Executor:
     def __enter__(self) -> Executor:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # Ctrl-C: stop the workers now rather than wait for their running jobs
+        self.close(terminate=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
 
-    def close(self) -> None:
-        if self._pool is not None:
-            _unblock_broken_pool(self._pool)
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def close(self, terminate: bool = False) -> None:
+        """Stop the workers: after their running jobs (default), or at once (``terminate``: after an interrupt)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            if terminate:
+                _terminate_workers(pool)
+            _unblock_broken_pool(pool)
+            pool.shutdown(wait=True, cancel_futures=True)
         if self._own_session and self._session is not None:
             self._session.stop()
             self._session, self._own_session = None, False
@@ -194,6 +282,9 @@ class Executor:
             # the kernel can signal them when we die); a forkserver would be their parent and outlive us
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_worker_init, initargs=(os.getpid(), self.initializer))
+            _LIVE.add(self)
+            if _IN_WORKER["on"] and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, _stop_nested)  # (plain workers keep SIGTERM's default: instant)
         return self._pool
 
     # ---- running ----
@@ -224,7 +315,9 @@ class Executor:
                     nxt = next(it, None)
                     if nxt is None:
                         break
-                    pending[pool.submit(fn, *nxt[1])] = nxt[0]
+                    with _sigint_blocked():  # submit() starts the workers as they are needed
+                        fut = pool.submit(fn, *nxt[1])
+                    pending[fut] = nxt[0]
                 if not pending:
                     break
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)

@@ -26,6 +26,7 @@ from . import (
     place,
     profiles,
     refine_trees,
+    serve,
     simulate,
     sweep,
     train,
@@ -58,6 +59,9 @@ for _name, _fn in (("simulate", simulate.simulate), ("validate", validate.valida
                    ("train", train.train), ("refine", refine_trees.refine), ("explain", explain.explain),
                    ("place", place.place), ("evaluate", evaluate.evaluate)):
     _command(_name, _fn)
+# vllm serve's other flags reach ``serve`` as extra arguments (a warning each: the twin ignores them)
+app.command("serve", short_help=" ".join((serve.serve.__doc__ or "").strip().split("\n\n")[0].split()),
+            context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve.serve)
 
 
 def _show_warnings() -> None:
@@ -74,11 +78,35 @@ def _show_warnings() -> None:
     warnings.filterwarnings("once", category=LorapackWarning)
 
 
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
+
+def _interrupted() -> None:
+    """Ctrl-C (SIGINT): stop every worker process at once (their running jobs are abandoned; outputs are
+    written atomically at the end, so none is half-written), one line on stderr, exit 130. A second Ctrl-C
+    while stopping is ignored: the workers are being stopped anyway."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from ..executor import stop_all_workers
+
+    stop_all_workers()
+    try:
+        err_console.print("interrupted", highlight=False, soft_wrap=True)
+    except (BrokenPipeError, OSError):
+        pass
+    sys.exit(INTERRUPTED_EXIT)
+
+
 def main() -> None:
-    """Console entry point: user errors -> one line on stderr, exit code 2."""
+    """Console entry point: user errors -> one line on stderr, exit code 2; Ctrl-C -> one line, exit 130."""
     _show_warnings()
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # typer returns the code of an Exit (Ctrl-C: Exit(130)), else None
+        if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+            if code == INTERRUPTED_EXIT:
+                _interrupted()
+            sys.exit(code)
     except LorapackError as e:
         if _DEBUG["on"] or os.environ.get("LORAPACK_DEBUG"):
             raise
@@ -97,19 +125,24 @@ def main() -> None:
                           "not start); run again with --workers 1 to see the cause in this process",
                           highlight=False, soft_wrap=True)
         sys.exit(1)
-    except (KeyboardInterrupt, BrokenPipeError):
+    except KeyboardInterrupt:  # outside the command itself (typer turns one inside into Exit(130))
+        _interrupted()
+    except BrokenPipeError:
         sys.exit(130)
     except typer.Exit as e:
+        if e.exit_code == INTERRUPTED_EXIT:
+            _interrupted()
         sys.exit(e.exit_code)
     except Exception as e:  # click usage errors and aborts
         usage, aborts = _click_exception_types()
-        if isinstance(e, aborts):
+        if isinstance(e, aborts):  # end of input at a prompt
             sys.exit(130)
         if isinstance(e, usage):  # click's message on one line, like lorapack's own errors
             ctx = getattr(e, "ctx", None)
             where = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
-            err_console.print(f"[red]error:[/red] {escape(' '.join(e.format_message().split()))}{where}",
-                              highlight=False, soft_wrap=True)
+            message = " ".join(e.format_message().split())
+            if message:  # none after `lorapack` alone: the help was shown (exit 2 as click has it)
+                err_console.print(f"[red]error:[/red] {escape(message)}{where}", highlight=False, soft_wrap=True)
             sys.exit(2)
         raise
 
