@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml Makefile
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (set PY=python3.x, x >= 11)"; exit 2; }
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,ray]'
+	$(BIN)/pip install -q -e '.[test,ray,serve]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -110,6 +110,7 @@ COUNTERS = np.dtype([
     ("load_s", np.float64),
     ("running_lo", np.int64),  # the running list is slots running_lo .. running_lo + n_running - 1
     ("n_known", np.int64),  # requests in the arrays (a batch run: all; a live run: added so far)
+    ("scheduled_tokens", np.int64),  # tokens of all steps so far (vllm:iteration_tokens_total's sum)
 ], align=True)
 
 class ServerLimits(NamedTuple):
@@ -733,6 +734,7 @@ def _step(lim, st, t_stop_s):
     _update_from_output(lim, st, n_scheduled, t_end_s)
     c.t_s = t_end_s
     c.step += 1
+    c.scheduled_tokens += n_tokens
     c.busy_s += dt_s
     c.sched_s += sched_ms / 1000.0
     c.load_s += load_ms / 1000.0

@@ -1,0 +1,8 @@
+"""``lorapack serve``: the calibrated twin behind vLLM's own HTTP API (docs/serve.md).
+
+* ``twin.py``: ``TwinServer``, a live engine (``twin.engine.Engine.live``) stepped in (scaled) wall time, with
+  the adapters a server has registered;
+* ``metrics.py``: ``/metrics`` under vLLM's names;
+* ``http.py``: the Starlette app (vLLM's OpenAI-compatible routes), the optional extra ``lorapack[serve]``;
+* ``launch.py``: the command's server(s): one, or one per GPU of a plan (``--plan``).
+"""
