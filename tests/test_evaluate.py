@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from evaluate_helpers import ToyPlacer, write_trace
 from lorapack.errors import SpecError
 from lorapack.evaluate.replay import Replayer, split_plan
-from lorapack.evaluate.runner import evaluate_scenarios, smallest_clean_pool
+from lorapack.evaluate.runner import Budget, evaluate_scenarios, smallest_clean_pool
 from lorapack.evaluate.scenario import load_scenarios
 from lorapack.objective import Objective
 from lorapack.placement.plan import GpuPlan, Plan
@@ -299,7 +299,7 @@ def test_runner_both_protocols(tmp_path, trace_file, monkeypatch):
 
 def test_budget_skips_and_says_so(tmp_path, trace_file):
     sc = load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: [8, 16, 24]\nmax_pack: false\n"))
-    doc = evaluate_scenarios(sc, ToyPlacer(), methods=("toy-deal",), budget_s=1e-9)
+    doc = evaluate_scenarios(sc, ToyPlacer(), methods=("toy-deal",), budget=Budget(1e-9))
     assert doc["scenarios"] == [] and len(doc["skipped"]) == 3
 
 

@@ -18,10 +18,10 @@ APPLICATIONS = "applications"
 LAYERS: tuple[tuple[str, ...], ...] = (
     # foundations: errors, argument checks, text files in and out, the executor
     ("lorapack", "lorapack.errors", "lorapack.checks", "lorapack.textfiles", "lorapack.executor"),
-    # validated inputs; the twin's data types and step-time estimator (pure functions of arrays); resource
-    # limits and the cost of a run from its arrays
-    ("lorapack.profile", "lorapack.spec", "lorapack.server", "lorapack.twin.types", "lorapack.twin.steptime",
-     "lorapack.guards"),
+    # validated inputs (the objective: what a GPU must achieve); the twin's data types and step-time estimator
+    # (pure functions of arrays); resource limits and the cost of a run from its arrays
+    ("lorapack.profile", "lorapack.spec", "lorapack.server", "lorapack.objective", "lorapack.twin.types",
+     "lorapack.twin.steptime", "lorapack.guards"),
     ("lorapack.workload",),  # requests from a workload
     ("lorapack.twin",),  # the digital twin
     ("lorapack.realruns", "lorapack.oracle"),  # the twin's seams: real runs, feasibility questions

@@ -242,11 +242,11 @@ def test_the_latency_row_caps_each_gpus_capacity() -> None:
 
 def test_the_latency_capacity_is_where_one_adapter_stops_meeting_the_objective() -> None:
     from lorapack.oracle import GpuCandidate, TwinOracle
-    from lorapack.placement.bound import simulate_latency_capacity_tok_s, twin_capacity
+    from lorapack.placement.bound import VerifierRuns, simulate_latency_capacity_tok_s, twin_capacity
 
     obj = Objective(max_ttft_s=1.0)
     top = twin_capacity(LLAMA, 223, 197)(8) / 0.9
-    lat = simulate_latency_capacity_tok_s(LLAMA, 8, 223, 197, obj, top, None, (5,), 900.0)
+    lat = simulate_latency_capacity_tok_s(LLAMA, 8, 223, 197, obj, top, VerifierRuns(seeds=(5,), duration_s=900.0))
     assert 0.5 * top < lat < top  # a 1 s mean TTFT binds before saturation
 
     def check(tok_s: float) -> str | None:

@@ -5,19 +5,17 @@ Besides starting and not starving (the paper's label, always), a GPU meets the l
 mean and p99 time to first token, mean and p99 inter-token latency (``None`` = no limit). ``Objective()`` is
 the default latency objective (mean TTFT <= 2 s); ``Objective.throughput()`` the paper's criterion alone.
 
-A leaf module (no numpy, no twin): scenario files are checked with it before anything heavy is imported.
+A leaf module (no numpy, no twin): scenario files are checked with it before anything heavy is imported, and
+the oracle takes its starvation threshold from here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .errors import SpecError
-
-if TYPE_CHECKING:
-    from .oracle import Prediction
 
 # The default latency objective (documented in docs/placement.md and `lorapack place --help`): the mean
 # time to first token of every GPU at most 2 s. An interactive chat service notices waits beyond a couple of
@@ -29,6 +27,18 @@ STARVATION_RATIO = 0.9
 # a candidate whose predicted probability of starving reaches this is not served (``Prediction.serves``)
 STARVED_PROBABILITY = 0.5
 OBJECTIVE_KINDS = ("latency", "throughput")
+
+
+class Prediction(Protocol):
+    """What the objective reads of a GPU's prediction (``lorapack.oracle.Prediction``; NaN = not predicted)."""
+
+    fits: bool
+    starved: float  # probability (an oracle) or share of seeds (the twin)
+    adapter_starved: float
+    ttft_s: float
+    itl_ms: float
+    ttft_p99_s: float
+    itl_p99_ms: float
 
 
 def _limit(help_text: str) -> Any:

@@ -63,7 +63,7 @@ def evaluate(
     from ..evaluate.parallel import ExecutorMapper, replay_executor
     from ..evaluate.placers import check_methods, default_placer
     from ..evaluate.report import contract_json, write_outputs, write_results
-    from ..evaluate.runner import evaluate_scenarios
+    from ..evaluate.runner import Budget, evaluate_scenarios
     from ..evaluate.scenario import OBJECTIVE_NAMES, load_scenarios
 
     if budget_s is not None and (not math.isfinite(budget_s) or budget_s <= 0):
@@ -146,7 +146,7 @@ def evaluate(
                                     on_group=on_group)
         else:
             with replay_executor(workers_n) as ex:
-                doc = evaluate_scenarios(scs, placer, meths, budget_s, ExecutorMapper(ex), on_step=on_step,
+                doc = evaluate_scenarios(scs, placer, meths, Budget(budget_s), ExecutorMapper(ex), on_step=on_step,
                                          on_scenario=on_scenario, keep_plans=out is not None)
     files = write_outputs(doc, out) if out is not None else {}
     if json_out:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..executor import Executor
-from .runner import RESULTS_FORMAT, evaluate_scenarios
+from .runner import RESULTS_FORMAT, Budget, evaluate_scenarios
 from .scenario import Scenario
 
 
@@ -31,8 +31,8 @@ def _run_group(group: list[Scenario], methods: tuple[str, ...] | None, budget_s:
 
     placer = placers.default_placer(workers)
     with replay_executor(workers) as ex:
-        return evaluate_scenarios(group, placer, methods, budget_s, ExecutorMapper(ex), keep_plans=keep_plans,
-                                  started=started)
+        return evaluate_scenarios(group, placer, methods, Budget(budget_s, t0=started), ExecutorMapper(ex),
+                                  keep_plans=keep_plans)
 
 
 def evaluate_parallel(scenarios: list[Scenario], methods: tuple[str, ...] | None, budget_s: float | None,

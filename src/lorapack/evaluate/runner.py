@@ -243,15 +243,16 @@ ProgressFn = Callable[[str, int], None]  # (what runs now, units of scenario x m
 
 
 def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple[str, ...] | None = None,
-                       budget_s: float | None = None, mapper: Mapper | None = None,
+                       budget: Budget | None = None, mapper: Mapper | None = None,
                        on_step: ProgressFn | None = None, on_scenario: Callable[[dict], None] | None = None,
-                       keep_plans: bool = False, started: float | None = None) -> dict[str, Any]:
+                       keep_plans: bool = False) -> dict[str, Any]:
     """Every scenario × method (``methods`` overrides the files' lists). Returns the results document.
 
-    ``started`` (``time.monotonic()``) is when the budget started (default: now)."""
+    ``budget``: the wall time (default: none), from when it started (``Budget.t0``, shared by worker
+    processes); its ``skipped`` list fills with the work it left out."""
     from .maxpack import max_pack_curve
 
-    budget = Budget(budget_s) if started is None else Budget(budget_s, t0=started)
+    budget = budget if budget is not None else Budget(None)
     results: list[dict] = []
     max_packs: list[dict] = []
     contexts: dict[tuple, Context] = {}
@@ -332,4 +333,4 @@ def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple
         if on_scenario:
             on_scenario(entry)
     return {"format": RESULTS_FORMAT, "scenarios": results, "max_pack": max_packs,
-            "skipped": budget.skipped, "budget_s": budget_s, "wall_s": budget.elapsed_s()}
+            "skipped": budget.skipped, "budget_s": budget.seconds, "wall_s": budget.elapsed_s()}

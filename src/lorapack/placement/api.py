@@ -24,7 +24,7 @@ from ..oracle import CandidateArrivals, Oracle, Prediction, default_slot_rank
 from ..profile import Profile
 from ..server import ServerConfig
 from .baselines import Assignment, shares_of
-from .bound import CapacityFn, LowerBound, latency_capacity, lower_bound, twin_capacity
+from .bound import CapacityFn, LowerBound, VerifierRuns, latency_capacity, lower_bound, twin_capacity
 from .config import DEFAULT_VERIFY_SEEDS, PlaceConfig
 from .greedy import (
     N_MAX,
@@ -43,7 +43,7 @@ from .plan import GpuMetrics, GpuPlan, Plan
 from .problem import Instance, instance_from_workload, split_entries
 from .registry import Method, get_method
 from .search import bisect_smallest
-from .verify import RepairLog, Verdict, fill_candidate, repair, verify_fills
+from .verify import Judges, RepairLog, Verdict, fill_candidate, repair, verify_fills
 
 if TYPE_CHECKING:
     from ..spec import Workload
@@ -167,9 +167,9 @@ def verification_latency_row(profile: Profile, inst: Instance, objective: Object
     """The bound's latency row ``L(S)`` for ``inst`` as ``place``'s verification simulates (``bound`` module)."""
     if capacity is None:
         capacity = twin_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens)
-    return latency_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens, objective, capacity,
-                            arrivals=arrivals, seeds=verify_seeds_of(seed, verify_seeds),
-                            duration_s=VERIFY_DURATION_S)
+    runs = VerifierRuns(arrivals=arrivals, seeds=tuple(verify_seeds_of(seed, verify_seeds)),
+                        duration_s=VERIFY_DURATION_S)
+    return latency_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens, objective, capacity, runs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -394,8 +394,8 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
         sims_before = (getattr(verifier, "n_simulations", 0), getattr(verifier, "cache_hits", 0))
         before = len(fills)
         try:
-            fills, verdicts, log = repair(inst, profile, fills, objective, verifier, ctx.twin(), pool=config.gpus,
-                                          options=ctx.options,
+            fills, verdicts, log = repair(inst, profile, fills, objective, Judges(verifier, ctx.twin()),
+                                          pool=config.gpus, options=ctx.options,
                                           on_round=lambda r, n: ctx.say(f"repairing {n} GPU(s), round {r}"))
         except Infeasible as e:
             settings["gpus_needed"] = e.gpus_needed

@@ -34,7 +34,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,38 +159,46 @@ def _disk_cached(file: str, key_of: Callable[[int], str], compute: Callable[[int
     return cap
 
 
+@dataclass(frozen=True)
+class VerifierRuns:
+    """How verification simulates a GPU, which the latency row ``L(S)`` repeats: the arrival law (None:
+    Poisson), the seeds and the window."""
+
+    arrivals: CandidateArrivals | None = None
+    seeds: tuple[int, ...] = (1000, 1001, 1002)
+    duration_s: float = 3600.0
+
+
 def latency_capacity(profile: Profile, mean_input_tokens: float, mean_output_tokens: float, objective: Objective,
-                     throughput_capacity: CapacityFn, arrivals: CandidateArrivals | None = None,
-                     seeds: Sequence[int] = (1000, 1001, 1002),
-                     duration_s: float = 3600.0, use_cache: bool = True) -> CapacityFn:
+                     throughput_capacity: CapacityFn, runs: VerifierRuns = VerifierRuns(),
+                     use_cache: bool = True) -> CapacityFn:
     """``S -> L(S)``, the latency row of the bound (module docstring), cached on disk. ``throughput_capacity``
-    gives ``C(S)`` (the bracket's top); ``arrivals``, ``seeds`` and ``duration_s`` are the verifier's."""
+    gives ``C(S)`` (the bracket's top); ``runs`` are the verifier's."""
+    arrivals = runs.arrivals
     law = "poisson" if arrivals is None else hashlib.sha256(arrivals.model_dump_json().encode()).hexdigest()[:16]
     limits = json.dumps(objective.limits(), sort_keys=True)
-    seeds = tuple(int(s) for s in seeds)
 
     def key_of(s: int) -> str:
         return (f"{_capacity_key(profile, s, mean_input_tokens, mean_output_tokens)}|lat{limits}|law-{law}|"
-                f"seeds{','.join(map(str, seeds))}|{duration_s:g}s")
+                f"seeds{','.join(map(str, runs.seeds))}|{runs.duration_s:g}s")
 
     def compute(s: int) -> float:
         return simulate_latency_capacity_tok_s(profile, s, mean_input_tokens, mean_output_tokens, objective,
-                                               float(throughput_capacity(s)) / STARVATION_RATIO, arrivals, seeds,
-                                               duration_s)
+                                               float(throughput_capacity(s)) / STARVATION_RATIO, runs)
 
     return _disk_cached("latency_capacity.json", key_of, compute, use_cache)
 
 
 def simulate_latency_capacity_tok_s(profile: Profile, slot_rank: int, mean_input_tokens: float,
                                     mean_output_tokens: float, objective: Objective, top_tok_s: float,
-                                    arrivals: CandidateArrivals | None, seeds: Sequence[int],
-                                    duration_s: float) -> float:
+                                    runs: VerifierRuns) -> float:
     """``L(S)`` by bisection on one adapter's rate (module docstring); ``top_tok_s`` if the top of the bracket
     already passes (no latency limit binds before starvation)."""
     from ..oracle import GpuCandidate, TwinOracle
 
     tau = mean_input_tokens + mean_output_tokens
-    plain = TwinOracle(seeds=tuple(seeds), duration_s=duration_s, early_stop=False, arrivals=arrivals)
+    seeds = runs.seeds
+    plain = TwinOracle(seeds=seeds, duration_s=runs.duration_s, early_stop=False, arrivals=runs.arrivals)
 
     def passes(rate_rps: float) -> bool:  # in at least one seed: the first passing seed ends it
         cand = GpuCandidate(profile=profile, ranks=np.array([slot_rank]), rates_rps=np.array([rate_rps]),

@@ -280,8 +280,7 @@ class _Walker:
 
 
 def greedy_fill(inst: Instance, profile: Profile, oracle: Oracle, objective: Objective, *,
-                pool: int | None = None, options: GreedyOptions = GreedyOptions(),
-                order: np.ndarray | None = None, stats: dict | None = None,
+                pool: int | None = None, options: GreedyOptions = GreedyOptions(), stats: dict | None = None,
                 confirm: Oracle | None = None) -> list[GpuFill]:
     """The paper's main loop (placement.md §4.1): GPUs in sequence until every entry is committed.
 
@@ -289,8 +288,7 @@ def greedy_fill(inst: Instance, profile: Profile, oracle: Oracle, objective: Obj
     ``confirm`` before the guard gives up -- a model that is wrong about a light adapter alone on a GPU (outside
     its data) must not make a workload infeasible. Raises ``Infeasible`` when the pool is exhausted or when a
     GPU fails with nothing committed (the guard: the same first adapters would fail on every new GPU)."""
-    if order is None:
-        order = zigzag_order(inst.ranks, inst.rates_rps, inst.adapter_ids)
+    order = zigzag_order(inst.ranks, inst.rates_rps, inst.adapter_ids)
     w = _Walker(inst, profile, oracle, objective, options, order)
     wc: _Walker | None = None
     gpus: list[GpuFill] = []

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from ..errors import SpecError
-from ..oracle import default_slot_rank
+from ..objective import Objective
+from ..oracle import Oracle, default_slot_rank
+from ..profile import Profile
 from .baselines import (
     Assignment,
     dlora,
@@ -27,12 +29,32 @@ from .baselines import (
     proposed_lat,
     round_robin,
 )
+from .bound import CapacityFn
+from .greedy import GreedyOptions
 from .problem import Instance
 
-if TYPE_CHECKING:
-    from .api import Context
 
-PoolRun = Callable[[Instance, "Context", int], Assignment]
+class Context(Protocol):
+    """What a pool method may use of the call it runs in (``api.Context`` implements it)."""
+
+    profile: Profile
+    objective: Objective
+    options: GreedyOptions
+
+    def twin(self) -> Oracle:
+        """The search's twin (one seed, early termination), shared by the call."""
+        ...
+
+    def oracle_of(self, kind: str) -> Oracle:
+        """The oracle of ``kind`` (``ORACLE_KINDS``), built once per call."""
+        ...
+
+    def cap(self, inst: Instance) -> CapacityFn:
+        """The bound's ``C(S)``: the twin's saturated throughput of one GPU per slot rank."""
+        ...
+
+
+PoolRun = Callable[[Instance, Context, int], Assignment]
 # the learned models' kinds (``lorapack.surrogate.load_oracle``) and the twin
 ORACLE_KINDS = ("surrogate", "tree", "twin")
 

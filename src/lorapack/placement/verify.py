@@ -109,12 +109,22 @@ def _with(f: GpuFill, entries: list[int], shares: list[float], max_loras: int) -
     return g
 
 
-def repair(inst: Instance, profile: Profile, fills: list[GpuFill], objective: Objective, verifier: Oracle,
-           probe: Oracle, *, pool: int | None = None, options: GreedyOptions = GreedyOptions(),
+@dataclass(frozen=True)
+class Judges:
+    """Who judges a plan under repair: ``verifier`` (verification's own runs: its verdicts stand) and ``probe``
+    (a cheaper twin answering the repair's own questions -- prefix bisection, new GPUs -- until it passes a GPU
+    the verifier failed; the verifier answers from then on)."""
+
+    verifier: Oracle
+    probe: Oracle
+
+
+def repair(inst: Instance, profile: Profile, fills: list[GpuFill], objective: Objective, judges: Judges, *,
+           pool: int | None = None, options: GreedyOptions = GreedyOptions(),
            on_round: Callable[[int, int], None] | None = None) -> tuple[list[GpuFill], list[Verdict], RepairLog]:
-    """Verify ``fills`` with ``verifier`` and repair failing GPUs (see the module docstring). ``probe`` answers
-    the repair's own questions (prefix bisection, new GPUs). Raises ``Infeasible`` (with ``gpus_needed``) when
-    the plan needs more GPUs than ``pool``."""
+    """Verify ``fills`` with ``judges.verifier`` and repair failing GPUs (see the module docstring). Raises
+    ``Infeasible`` (with ``gpus_needed``) when the plan needs more GPUs than ``pool``."""
+    verifier, probe = judges.verifier, judges.probe
     log = RepairLog()
     mem = MemoryRule(profile)
     fills = list(fills)
