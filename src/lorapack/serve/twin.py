@@ -34,7 +34,7 @@ import numpy as np
 from ..errors import SpecError
 from ..profile import Profile
 from ..server import ServerConfig
-from ..twin.engine import FINISHED, Engine
+from ..twin.engine import Engine
 from ..twin.run import ResolvedServer, resolve_server, step_model
 from ..twin.types import EngineConfig
 
@@ -142,6 +142,7 @@ class TwinServer:
             adapter_order=np.random.default_rng([int(seed), capacity]).permutation(capacity))
         self._slot_rank = slot
         self.engine = Engine.live(self.cfg, base_adapter=BASE_INDEX)
+        self.engine.advance_to(0.0)  # compile (or load from the cache) now, not during the first request
         self.adapters = AdapterBook(capacity)
         for m in lora_modules:
             self.load_adapter(m, at_start=True)
@@ -335,34 +336,20 @@ class TwinServer:
     def _publish(self) -> None:
         """Hand each stream its new tokens (as of the engine's time), then close the finished ones."""
         eng = self.engine
-        t = eng.t_s
-        ids, produced, status = eng.outputs()
-        streams = self.streams
-        changed = np.flatnonzero(produced > 0)
-        for k in changed:
-            s = streams.get(int(ids[k]))
-            if s is None:
-                continue
-            n_new = int(produced[k]) - s.produced
-            if n_new <= 0:
-                continue
-            gap = (t - s.t_last_s) / n_new if s.produced else math.nan
-            if not s.produced:
-                s.t_first_s = t
-            s.produced += n_new
-            s.t_last_s = t
-            s.tokens.put_nowait(n_new)
-            if self.on_token is not None:
-                self.on_token(s, n_new, gap)
-        if (status == FINISHED).any():
-            done = eng.drain_finished()
-            for j, rid in enumerate(done["id"]):
-                s = streams.pop(int(rid), None)
+        ids, produced = eng.running_outputs()
+        for rid, n in zip(ids.tolist(), produced.tolist(), strict=True):
+            if n:
+                self._hand_out(rid, n)
+        done = eng.drain_finished()  # (a vectorised scan: cheap next to the streams' work)
+        if len(done["id"]):
+            for j, rid in enumerate(done["id"].tolist()):
+                self._hand_out(rid, int(done["tokens_out"][j]))
+                s = self.streams.pop(rid, None)
                 if s is None:
                     continue
                 s.finished = True
                 s.aborted = s.aborted or not np.isfinite(done["t_finish_s"][j])
-                record = {"id": int(rid), "model": s.model, "prompt_tokens": s.prompt_tokens,
+                record = {"id": rid, "model": s.model, "prompt_tokens": s.prompt_tokens,
                           "output_tokens": s.produced, "t_arr_s": s.t_arr_s,
                           "ttft_s": float(done["t_first_s"][j] - s.t_arr_s) + self.frontend_s,
                           "e2e_s": float(done["t_finish_s"][j] - s.t_arr_s) + self.frontend_s,
@@ -371,6 +358,23 @@ class TwinServer:
                 if self.on_finish is not None:
                     self.on_finish(s, record)
                 s.tokens.put_nowait(None)
+
+    def _hand_out(self, rid: int, produced: int) -> None:
+        s = self.streams.get(rid)
+        if s is None:
+            return
+        n_new = produced - s.produced
+        if n_new <= 0:
+            return
+        t = self.engine.t_s
+        gap = (t - s.t_last_s) / n_new if s.produced else math.nan
+        if not s.produced:
+            s.t_first_s = t
+        s.produced = produced
+        s.t_last_s = t
+        s.tokens.put_nowait(n_new)
+        if self.on_token is not None:
+            self.on_token(s, n_new, gap)
 
     # ---- what /metrics and /version read --------------------------------------------------------
 

@@ -1041,7 +1041,8 @@ class Engine:
     def drain_finished(self) -> dict[str, np.ndarray]:
         """The requests that finished (or were aborted) since the last call, per-request arrays by column:
         ``id``, ``adapter``, ``prompt_tokens``, ``output_tokens``, ``t_arr_s``, ``t_sent_s``, ``t_first_s``,
-        ``t_finish_s`` (NaN: aborted), ``n_preempted``. They may then leave the engine's arrays."""
+        ``t_finish_s`` (NaN: aborted), ``n_preempted``, ``tokens_out`` (output tokens produced: fewer than
+        ``output_tokens`` when aborted). They may then leave the engine's arrays."""
         book = self._need_live("drain_finished")
         self._settle_aborts()
         n = int(self.counters["n_known"])
@@ -1053,7 +1054,15 @@ class Engine:
                 "prompt_tokens": req.prompt_tokens[idx].copy(), "output_tokens": req.output_tokens[idx].copy(),
                 "t_arr_s": req.t_arr_s[idx].copy(), "t_sent_s": req.t_sent_s[idx].copy(),
                 "t_first_s": req.t_first_s[idx].copy(), "t_finish_s": req.t_finish_s[idx].copy(),
-                "n_preempted": req.n_preempted[idx].copy()}
+                "n_preempted": req.n_preempted[idx].copy(), "tokens_out": req.output_tokens_done[idx].copy()}
+
+    def running_outputs(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, output tokens produced so far)`` of the running requests only (the cheap part of
+        ``outputs()`` a streaming server needs every step: only running requests produce tokens)."""
+        book = self._need_live("running_outputs")
+        lo, n_run = int(self.counters["running_lo"]), int(self.counters["n_running"])
+        run = self.state.running
+        return book.ids[run.request[lo:lo + n_run]], run.output_tokens[lo:lo + n_run].copy()
 
     @property
     def capacity(self) -> int:
