@@ -97,7 +97,7 @@ async def _one(session: aiohttp.ClientSession, url: str, adapter: str, prompt_to
                 if line.startswith(b"data: {"):
                     n += 1
             return n, True
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return 0, False
 
 
