@@ -110,7 +110,8 @@ def test_a_method_is_added_in_one_place(toy_method) -> None:
     app = typer.Typer()
     app.command("place")(place_command())
     app.command("other")(lambda: None)
-    text = " ".join(CliRunner().invoke(app, ["place", "--help"], env={"COLUMNS": "200"}).stdout.split())
+    out = CliRunner().invoke(app, ["place", "--help"], env={"COLUMNS": "200"}).stdout
+    text = " ".join(out.replace("│", " ").split())
     assert "toy-fewest (a test's own method)" in text
     # evaluate: its method list, its check of names, its report's baselines; the demo's methods
     placer = PlacementPlacer()

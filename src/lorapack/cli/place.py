@@ -178,10 +178,19 @@ def _render(plan, files: list[Path]) -> None:
         f"{1 + plan.settings['headroom']:g} (--headroom {plan.settings['headroom']:g})",
         "wrote " + ", ".join(str(f) for f in files),
     ]
+    worst = plan.worst_gpu
+    if worst is not None:
+        lines.insert(1, f"worst GPU {worst['gpu']}: mean TTFT {fmt(worst['ttft_s'], 2)} s, p99 "
+                        f"{fmt(worst['ttft_p99_s'], 2)} s ({'verified' if worst['verified'] else 'predicted'})")
     c = v.get("consolidated") if v else None
     if c and c.get("accepted"):
         lines.insert(2, f"consolidated from {c['gpus_before']} to {c['gpus_after']} GPUs ({c.get('origin')} "
                         f"arrangement, verified like the rest)")
+    spread = v.get("spread") if v else None
+    if spread and spread.get("accepted"):
+        lines.insert(2, f"spread over the same GPUs ({spread['origin']} arrangement, verified like the rest): the "
+                        f"worst GPU's mean TTFT fell from {spread['worst_ttft_s_before']:.2f} to "
+                        f"{spread['worst_ttft_s_after']:.2f} s")
     padded = [f"{i} ({g.predicted.tested_adapters})" for i, g in enumerate(plan.gpus) if g.verified is None
               and g.predicted is not None and (g.predicted.tested_adapters or 0) > len(g.adapters)]
     if padded:

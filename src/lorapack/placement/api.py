@@ -49,6 +49,10 @@ if TYPE_CHECKING:
     from ..spec import Workload
 
 VERIFY_DURATION_S = 3600.0
+# a verified greedy plan spreads its load when its worst GPU's mean TTFT exceeds this multiple of its lightest
+# GPU's (``_spread``), and takes an arrangement whose worst GPU waits at least SPREAD_GAIN less
+SPREAD_RATIO = 2.0
+SPREAD_GAIN = 0.2
 # --split-hot: replicas carry at most this fraction of the capacity K(S) each (room to share a GPU)
 SPLIT_TARGET = 0.5
 MAX_SPLIT_ROUNDS = 6
@@ -343,7 +347,7 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
     ctx = Context.of(profile, config, overrides, verify_arrivals, progress)
     n_max = ctx.options.n_max
     settings = {"objective": objective.to_dict(), "headroom": inst.headroom, "seed": int(config.seed),
-                "pool": config.gpus, "verify": verify, "verify_seeds": verify_seeds if verify else 0, "n_max": n_max,
+                "pool": config.gpus, "pool_role": "cap" if method.greedy else "size", "verify": verify, "verify_seeds": verify_seeds if verify else 0, "n_max": n_max,
                 "n_max_hard": hard_n_max,
                 "verify_arrivals": _law(verify_arrivals) if verify else None,
                 "split_hot": config.split_hot, "mean_input_tokens": inst.mean_input_tokens,
@@ -402,15 +406,18 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
             return _infeasible(method, profile, settings, bound, diagnostics, str(e), hot=e.hot,
                                placement_ms=placement_ms, verification_ms=(time.perf_counter() - t1) * 1e3)
         fills = _normalise(inst, fills)
-        consolidated = None
+        consolidated = spread = None
         if method.greedy and ctx.options.rebalance:
             floor = bound.gpus if hard_n_max else bound.gpus_no_nmax
             limit = n_max if hard_n_max else inst.n
             fills, verdicts, consolidated = _consolidate(inst, ctx, fills, verdicts, verifier, floor, limit)
+            fills, verdicts, spread = _spread(inst, ctx, fills, verdicts, verifier, limit)
         verification_ms = (time.perf_counter() - t1) * 1e3
         verification = _verification_dict(verifier, verify_seeds, before, fills, verdicts, log, sims_before)
         if consolidated is not None:
             verification["consolidated"] = consolidated
+        if spread is not None:
+            verification["spread"] = spread
 
     plan = build_plan(method.name, inst, profile, fills, verdicts)
     plan.placement_ms = placement_ms
@@ -541,6 +548,38 @@ def _consolidate(inst: Instance, ctx: Context, fills: list[GpuFill], verdicts: l
         info.update(gpus_after=len(fills), accepted=True)
     if info["accepted"]:
         info["beyond_n_max"] = [i for i, f in enumerate(fills) if len(f.entries) > N_MAX]
+    return fills, verdicts, info
+
+
+def _worst_ttft_s(verdicts: list[Verdict]) -> float:
+    """The plan's worst GPU: the largest verified mean TTFT (NaN when a GPU completed nothing)."""
+    return max(v.prediction.ttft_s for v in verdicts)
+
+
+def _spread(inst: Instance, ctx: Context, fills: list[GpuFill], verdicts: list[Verdict], verifier: Oracle,
+            n_max: int) -> tuple[list[GpuFill], list[Verdict], dict | None]:
+    """After a greedy plan passed verification with slack -- its worst GPU's mean TTFT above ``SPREAD_RATIO``
+    times its lightest GPU's: the greedy fills GPUs one after another, so the last ones may be light while the
+    first wait long -- the same adapters on the same number of GPUs, arranged as the consolidation's candidates
+    (balanced dealing first), each verified like the plan; the first one whose worst GPU waits at least
+    ``SPREAD_GAIN`` less replaces it. Returns ``info`` None when the plan had no slack to spread."""
+    ttft_s = [v.prediction.ttft_s for v in verdicts]
+    if len(fills) < 2 or not all(math.isfinite(t) for t in ttft_s) or max(ttft_s) <= SPREAD_RATIO * min(ttft_s):
+        return fills, verdicts, None
+    worst = max(ttft_s)
+    info: dict = {"worst_ttft_s_before": worst, "accepted": False, "tried": []}
+    ctx.say(f"spreading the load of {len(fills)} GPUs (the worst waits {worst:.2f} s; verified by the twin)")
+    key = _plan_key(fills)
+    for origin, cand in _consolidation_candidates(inst, ctx, len(fills), replace(ctx.options, n_max=n_max)):
+        cand = _normalise(inst, cand)
+        if _plan_key(cand) == key:
+            continue
+        fresh = _verify_until_failure(inst, ctx, cand, verifier)
+        cand_worst = _worst_ttft_s(fresh) if fresh is not None else math.nan
+        info["tried"].append({"origin": origin, "passed": fresh is not None, "worst_ttft_s": cand_worst})
+        if fresh is not None and cand_worst <= (1.0 - SPREAD_GAIN) * worst:
+            info.update(accepted=True, origin=origin, worst_ttft_s_after=cand_worst)
+            return cand, fresh, info
     return fills, verdicts, info
 
 

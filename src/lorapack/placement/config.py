@@ -20,7 +20,7 @@ from ..errors import SpecError
 from ..objective import Objective
 from ..oracle import CandidateArrivals, check_candidate_arrivals
 from .problem import DEFAULT_HEADROOM, check_headroom
-from .registry import get_method, methods_help
+from .registry import get_method, method_names, methods_help
 
 DEFAULT_VERIFY_SEEDS = 3
 VERIFY_CHOICES = ("workload", "poisson")
@@ -36,8 +36,11 @@ class PlaceConfig:
     """Settings of one ``place()`` call (``PlaceConfig()``: ``proposed``, smallest pool, latency objective,
     verified). Invalid values raise ``SpecError`` naming the flag, before any work."""
 
-    gpus: int | None = _opt(None, "GPU pool size (default: as many as needed). A plan that needs more exits "
-                                  "with code 2.")
+    gpus: int | None = _opt(None, lambda: (
+        f"GPUs: a cap for the greedy methods ({', '.join(method_names('greedy'))}: they open the GPUs they need, "
+        f"at most G) and the pool size for the others (they place onto exactly G GPUs); plan.json's "
+        f"settings.pool_role says which. Default: as many as needed (the pool methods search the smallest pool "
+        f"the twin validates). A plan that needs more than G exits with code 2."))
     method: str = _opt("proposed", lambda: f"Placement method: {methods_help()}.")
     models_dir: Path | None = _opt(None, "Directory of learned models for proposed / proposed-fast / "
                                          "proposed-lat (default: the shipped ones).", flag="--models")

@@ -134,6 +134,17 @@ class Plan:
             return None
         return self.gpus_used - self.lower_bound_gpus
 
+    @property
+    def worst_gpu(self) -> dict[str, Any] | None:
+        """The GPU that waits longest -- the largest mean TTFT, verified (else predicted) -- with its p99: what
+        two plans on the same number of GPUs differ by. None without latency figures."""
+        rows = [(i, g.verified or g.predicted) for i, g in enumerate(self.gpus) if g.adapters]
+        rows = [(i, m) for i, m in rows if m is not None and math.isfinite(m.ttft_s)]
+        if not rows:
+            return None
+        i, m = max(rows, key=lambda r: r[1].ttft_s)
+        return {"gpu": i, "ttft_s": m.ttft_s, "ttft_p99_s": m.ttft_p99_s, "verified": self.gpus[i].verified is not None}
+
     def routes(self) -> dict[str, list[tuple[int, float]]]:
         """adapter id -> ``[(gpu index, weight), ...]`` with weights normalised to sum to 1."""
         out: dict[str, list[tuple[int, float]]] = {}
@@ -151,6 +162,7 @@ class Plan:
         d["gpus"] = [g.to_dict() for g in self.gpus]
         d["gpus_used"] = self.gpus_used
         d["gap_gpus"] = self.gap_gpus
+        d["worst_gpu"] = self.worst_gpu
         return _json_safe(d)
 
 
