@@ -36,12 +36,26 @@ from ..profile import Profile
 from ..server import ServerConfig
 from ..twin.engine import Engine
 from ..twin.run import ResolvedServer, resolve_server, step_model
-from ..twin.types import EngineConfig
+from ..twin.types import EngineConfig, default_walk_order
 
 BASE_INDEX = 0  # the engine's pseudo-adapter of base-model requests
 RUNTIME_ADAPTERS = 256  # adapter indices kept for load_lora_adapter beyond the --lora-modules ones
 VLLM_DEFAULT_MAX_LORA_RANK = 16  # vLLM's --max-lora-rank default
 LAG_WINDOW = 100_000  # the most recent publication lags kept for the percentiles
+
+
+def walk_order(n_static: int, capacity: int, seed: int) -> np.ndarray:
+    """The order the worker walks a batch's adapters (a Python set's in vLLM, fixed for the server's life).
+
+    Seed 0: the base model first, then the ``--lora-modules`` adapters in the batch twin's order for that many
+    adapters (``twin.types.default_walk_order``: so ``lorapack simulate`` of the same adapters and arrivals gives
+    the same per-request times), then the run-time slots. Another seed: a random permutation."""
+    if seed:
+        return np.random.default_rng([int(seed), capacity]).permutation(capacity).astype(np.int64)
+    order = np.arange(capacity, dtype=np.int64)
+    if n_static:
+        order[1:1 + n_static] = 1 + default_walk_order(n_static)
+    return order
 
 
 class TwinServerError(SpecError):
@@ -138,8 +152,7 @@ class TwinServer:
             srv.config.replace(warm_start=False), load_ms=np.zeros(capacity), disk_ms=np.zeros(capacity),
             kv_blocks=srv.kv_cache_tokens // profile.block_size, step_coef=step_model(profile, srv).to_array(),
             block_size=profile.block_size, duration_s=1.0, warm_cpu=False,
-            # the order the worker walks a batch's adapters: a Python set's, fixed for the server's life
-            adapter_order=np.random.default_rng([int(seed), capacity]).permutation(capacity))
+            adapter_order=walk_order(len(lora_modules), capacity, seed))
         self._slot_rank = slot
         self.engine = Engine.live(self.cfg, base_adapter=BASE_INDEX)
         self.engine.advance_to(0.0)  # compile (or load from the cache) now, not during the first request
@@ -187,7 +200,7 @@ class TwinServer:
         a = Adapter(name=m.name, path=m.path, rank=int(rank), index=index, created_s=time.time())
         self.adapters.by_name[m.name] = a
         self.adapters.name_of_index[index] = m.name
-        self._into_cpu_cache(index)
+        self._into_cpu_cache(index, at_start)
         return a
 
     def unload_adapter(self, name: str) -> None:
@@ -212,7 +225,7 @@ class TwinServer:
                               f"(--lora-modules plus {RUNTIME_ADAPTERS} loaded at run time); restart it", status=507,
                               err_type="InsufficientStorage")
 
-    def _into_cpu_cache(self, index: int) -> None:
+    def _into_cpu_cache(self, index: int, at_start: bool = False) -> None:
         """vLLM's ``add_lora``: the adapter enters the worker's CPU cache (evicting the least recently used one)."""
         st, c = self.engine.state, self.engine.counters
         ad = st.adapters
@@ -234,9 +247,9 @@ class TwinServer:
         ad.in_cpu[index] = True
         ad.cpu_slots[n_cpu] = index
         c["n_cpu_resident"] = n_cpu + 1
-        # touched "in the previous step": newer than every adapter not used since, distinct from the others
-        order = self.engine.server.adapter_order
-        ad.last_touch[index] = (int(c["step"]) - 1) * self.cfg.n_adapters + int(order[index])
+        if not at_start:  # touched "in the previous step": newer than every adapter not used since, distinct
+            order = self.engine.server.adapter_order  # (at start the stamps keep registration order, as the
+            ad.last_touch[index] = (int(c["step"]) - 1) * self.cfg.n_adapters + int(order[index])  # batch twin's)
 
     def adapter_index(self, model: str) -> int:
         """The engine index of a request's ``model`` (the base model or an adapter), else vLLM's 404."""

@@ -1,0 +1,201 @@
+"""A twin server against ``lorapack simulate`` on the same arrivals (issue "Serve", acceptance 2).
+
+For each design (16 adapters of ranks 8/16 on llama-3.1-8b-instruct's shipped profile; a healthy and a
+starving one), a ``lorapack serve`` at ``--time-scale 1`` receives Poisson arrivals from a streaming client
+(``lorapack.testbed.replay``: aiohttp, one request per arrival, its send time, first chunk and every gap
+recorded), and the twin simulates the same arrivals at the times they were sent (``twin_replay``). Scores:
+
+* per request, the TTFT the client saw against the twin's (frontend share included), and the mean
+  inter-token gap against the twin's ``(t_finish - t_first) / (tokens - 1)``: the median relative error
+  (target <= 5 %);
+* the starved adapters: the twin's rule (``twin.metrics.compute_metrics``) applied to the client's times and
+  to the twin's (target: the same set);
+* ``/metrics`` against the twin's timeline: the scraped ``vllm:num_requests_running`` / ``_waiting`` (every
+  second) against the twin's at the same times, mean absolute difference, and the final counters.
+
+Prints per design and writes ``bench/results/serve_fidelity.json``. About 2 x ``--duration-s`` + start-up.
+
+Usage: ``python bench/serve_fidelity.py [--duration-s 120]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+MODEL = "llama-3.1-8b-instruct"
+
+# name, adapters, total rate (req/s), --max-loras, --max-cpu-loras
+DESIGNS = [("healthy", 16, 4.0, 4, 8), ("starving", 16, 14.0, 2, 8)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server(adapters: list[str], ranks: list[int], max_loras: int, max_cpu_loras: int):
+    port = _free_port()
+    modules = [json.dumps({"name": a, "path": f"/adapters/{a}", "rank": r}) for a, r in zip(adapters, ranks, strict=True)]
+    argv = [sys.executable, "-m", "lorapack.cli", "serve", "--model", MODEL, "--enable-lora", "--max-loras",
+            str(max_loras), "--max-lora-rank", "16", "--max-cpu-loras", str(max_cpu_loras), "--port", str(port),
+            "--lora-modules", *modules]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            raise RuntimeError("lorapack serve did not start")
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _arrivals(n_adapters: int, rate_rps: float, duration_s: float, seed: int):
+    from lorapack.testbed.replay import Arrival
+
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, n_adapters + 1)  # Zipf: a few hot adapters, a long tail
+    weights /= weights.sum()
+    n = int(rng.poisson(rate_rps * duration_s))
+    t = np.sort(rng.uniform(0.0, duration_s, n))
+    ad = rng.choice(n_adapters, size=n, p=weights)
+    prompt = np.clip(rng.lognormal(np.log(223) - 0.3, 0.77, n), 4, 3000).astype(int)
+    output = np.clip(rng.lognormal(np.log(197) - 0.3, 0.77, n), 2, 1500).astype(int)
+    return [Arrival(float(t[k]), f"a{ad[k]:02d}", int(prompt[k]), int(output[k])) for k in range(n)]
+
+
+def _starved(profile, ranks, arrivals, t_sent, t_first, t_finish, duration_s, flags) -> list[str]:
+    """The twin's starvation rule applied to the given per-request times."""
+    from lorapack.twin.metrics import compute_metrics
+    from lorapack.twin.run import engine_config, resolve_server
+    from lorapack.twin.types import EngineResult, RequestArrays
+
+    ids = sorted({a.adapter_id for a in arrivals} | {f"a{k:02d}" for k in range(len(ranks))})
+    index = {a: i for i, a in enumerate(ids)}
+    order = np.lexsort((np.arange(len(t_sent)), t_sent))
+    req = RequestArrays(np.maximum(t_sent[order], 0), np.array([index[arrivals[i].adapter_id] for i in order]),
+                        np.array([arrivals[i].prompt_tokens for i in order]),
+                        np.array([arrivals[i].output_tokens for i in order]))
+    res = EngineResult(t_sent_s=t_sent[order], t_first_s=t_first[order], t_finish_s=t_finish[order],
+                       n_preempted=np.zeros(len(order), np.int32))
+    srv = resolve_server(profile, np.asarray(ranks), flags)
+    cfg = engine_config(profile, np.asarray(ranks), srv, duration_s, warm_start=False)
+    m = compute_metrics(res, req, duration_s, len(ranks), cfg=cfg)
+    return sorted(ids[i] for i in m.starved_adapter_indices)
+
+
+def run_design(name: str, n_adapters: int, rate: float, max_loras: int, max_cpu_loras: int, duration_s: float,
+               seed: int) -> dict:
+    from lorapack.profile import find_profile
+    from lorapack.server import ServerConfig
+    from lorapack.testbed.replay import replay, twin_replay
+
+    profile = find_profile(MODEL, "h100-64gb")
+    adapters = [f"a{k:02d}" for k in range(n_adapters)]
+    ranks = [16 if k % 2 else 8 for k in range(n_adapters)]
+    arrivals = _arrivals(n_adapters, rate, duration_s, seed)
+    flags = ServerConfig(max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_cpu_loras, warm_start=False)
+    with server(adapters, ranks, max_loras, max_cpu_loras) as url:
+        got = replay(url, arrivals, model=MODEL, seed=seed, window_s=duration_s, scrape_every_s=1.0)
+    recs = got.records
+    sent = np.array([r.t_sent_s for r in recs])
+    _m, res = twin_replay(profile, adapters, ranks, arrivals, flags, duration_s, sent_s=sent)
+    overhead_s = profile.frontend.ttft_overhead_ms / 1000.0 if profile.frontend is not None else 0.0
+    client_ttft = np.array([r.ttft_s for r in recs])
+    twin_ttft = res.t_first_s - res.t_sent_s + overhead_s
+    client_itl = np.array([np.mean(r.gaps_s) if len(r.gaps_s) else np.nan for r in recs])
+    n_out = np.array([a.output_tokens for a in arrivals])
+    twin_itl = np.where(n_out > 1, (res.t_finish_s - res.t_first_s) / np.maximum(n_out - 1, 1), np.nan)
+    done = np.isfinite(client_ttft) & np.isfinite(twin_ttft)
+    ttft_err = np.abs(client_ttft[done] - twin_ttft[done]) / twin_ttft[done]
+    both_itl = np.isfinite(client_itl) & np.isfinite(twin_itl) & (n_out > 1)
+    both_itl &= np.array([np.isfinite(r.t_finish_s) and r.completion_tokens == r.output_tokens for r in recs])
+    itl_err = np.abs(client_itl[both_itl] - twin_itl[both_itl]) / twin_itl[both_itl]
+    client_finish = np.array([r.t_finish_s if r.completion_tokens == r.output_tokens else np.nan for r in recs])
+    client_first = np.where(np.isfinite(client_ttft), client_ttft + sent, np.nan) - overhead_s
+    starved_client = _starved(profile, ranks, arrivals, sent, client_first, client_finish - overhead_s, duration_s,
+                              flags)
+    starved_twin = _starved(profile, ranks, arrivals, sent, res.t_first_s, res.t_finish_s, duration_s, flags)
+    # /metrics against the twin's timeline (2 s samples; the state at a time is the last sample before it)
+    tl = res.timeline
+    diffs_run, diffs_wait = [], []
+    for s in got.samples:
+        k = int(np.searchsorted(tl["t_s"], s.t_s, side="right")) - 1
+        if 0 <= k < len(tl["t_s"]) and s.t_s < duration_s:
+            diffs_run.append(abs(s.running - tl["num_requests_running"][k]))
+            diffs_wait.append(abs(s.waiting - tl["num_requests_waiting"][k]))
+    out = {
+        "design": name, "adapters": n_adapters, "rate_rps": rate, "max_loras": max_loras,
+        "max_cpu_loras": max_cpu_loras, "duration_s": duration_s, "requests": len(recs),
+        "errors": sum(bool(r.error) for r in recs),
+        "ttft_median_rel_err": float(np.median(ttft_err)) if len(ttft_err) else None,
+        "ttft_p90_rel_err": float(np.percentile(ttft_err, 90)) if len(ttft_err) else None,
+        "ttft_median_abs_err_ms": float(np.median(np.abs(client_ttft[done] - twin_ttft[done]))) * 1000,
+        "itl_median_rel_err": float(np.median(itl_err)) if len(itl_err) else None,
+        "itl_p90_rel_err": float(np.percentile(itl_err, 90)) if len(itl_err) else None,
+        "n_ttft": int(done.sum()), "n_itl": int(both_itl.sum()),
+        "starved_client": starved_client, "starved_twin": starved_twin,
+        "same_starved": starved_client == starved_twin,
+        "metrics_running_mean_abs_diff": float(np.mean(diffs_run)) if diffs_run else None,
+        "metrics_waiting_mean_abs_diff": float(np.mean(diffs_wait)) if diffs_wait else None,
+        "twin_running_mean": float(np.mean(tl["num_requests_running"])),
+        "twin_waiting_mean": float(np.mean(tl["num_requests_waiting"])),
+        "n_scrapes": len(diffs_run),
+    }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration-s", type=float, default=120.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--designs", default=",".join(d[0] for d in DESIGNS))
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "serve_fidelity.json")
+    a = ap.parse_args()
+    results = []
+    for name, n, rate, slots, cpu in DESIGNS:
+        if name not in a.designs.split(","):
+            continue
+        r = run_design(name, n, rate, slots, cpu, a.duration_s, a.seed)
+        results.append(r)
+        print(f"{name}: {r['requests']} requests ({r['errors']} errors); TTFT median rel. error "
+              f"{100 * r['ttft_median_rel_err']:.2f} % (p90 {100 * r['ttft_p90_rel_err']:.1f} %, median abs "
+              f"{r['ttft_median_abs_err_ms']:.1f} ms), ITL median rel. error {100 * r['itl_median_rel_err']:.2f} % "
+              f"(p90 {100 * r['itl_p90_rel_err']:.1f} %); starved: client {r['starved_client']} twin "
+              f"{r['starved_twin']} ({'same' if r['same_starved'] else 'DIFFERENT'}); /metrics vs timeline: "
+              f"running {r['metrics_running_mean_abs_diff']:.2f}, waiting {r['metrics_waiting_mean_abs_diff']:.2f} "
+              f"mean abs diff (twin means {r['twin_running_mean']:.1f} / {r['twin_waiting_mean']:.1f})", flush=True)
+    out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()[0]},
+           "designs": results}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
