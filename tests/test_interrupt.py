@@ -81,7 +81,8 @@ def interrupt(args: list[str], tmp_path: Path, want_workers: int = 0) -> tuple[i
     deadline = time.monotonic() + EXIT_TIMEOUT_S
     while any(_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.05)
-    lines = [ln for ln in err_path.read_text().splitlines() if ln != "READY"]
+    # (a progress bar on a non-terminal stderr may leave an empty line: not a message)
+    lines = [ln for ln in err_path.read_text().splitlines() if ln.strip() and ln != "READY"]
     return code, "\n".join(lines), children
 
 
@@ -139,3 +140,16 @@ def test_evaluate_interrupted_with_nested_workers(tmp_path: Path) -> None:
                                         "least-adapters,loraserve", "--workers", "2", "--jobs", "2",
                                         "--out", str(out)], tmp_path, want_workers=1)
     _check(code, stderr, children, out, kept=("results.json",))  # the scenarios done (it grows as they end)
+
+
+def test_sweep_interrupted_keeps_whole_parts_only(tmp_path: Path) -> None:
+    """A sweep keeps the rows of the units that completed (whole Parquet parts, resumable with --resume)."""
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "sweep"
+    code, stderr, children = interrupt(["sweep", "--preset", "paper-llama", "--limit", "300", "--workers", "2",
+                                        "--out", str(out)], tmp_path, want_workers=2)
+    parts = sorted(p.name for p in out.glob("part-*.parquet"))
+    _check(code, stderr, children, out, kept=("_sweep.json", *parts))
+    for name in parts:
+        pq.read_table(out / name)  # complete

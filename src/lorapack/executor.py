@@ -309,6 +309,7 @@ class Executor:
         pool = self._local_pool()
         it = enumerate(jobs)
         pending: dict[Future, int] = {}
+        interrupted = False
         try:
             while True:
                 while len(pending) < self.in_flight * self.workers:
@@ -323,8 +324,13 @@ class Executor:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in done:
                     yield pending.pop(fut), fut.result()
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
-            for fut in pending:
+            # after Ctrl-C the workers are terminated instead: CPython 3.11's pool then fails every pending
+            # future and crashes on one already cancelled (InvalidStateError in its manager thread)
+            for fut in () if interrupted else pending:
                 fut.cancel()
 
     def _imap_ray(self, fn: Callable[..., Any], jobs: Iterable[tuple]) -> Iterator[tuple[int, Any]]:
