@@ -19,6 +19,8 @@ class QueueingToy(ToyOracle):
     """``ToyOracle`` whose mean TTFT grows steeply with the GPU's load (a queue builds near capacity), p99 ten
     times the mean."""
 
+    seeds = (0,)  # as a verifier reports them (plan.verification["seeds"])
+
     def predict(self, cands: list[GpuCandidate]) -> list[Prediction]:
         out = []
         for c, p in zip(cands, super().predict(cands), strict=True):
@@ -74,3 +76,15 @@ def test_the_pool_means_a_cap_or_a_size() -> None:
     text = " ".join(out.replace("│", " ").split())
     assert "a cap for the greedy methods (proposed, proposed-fast, proposed-exact" in text
     assert "the pool size for the others (they place onto exactly G GPUs)" in text
+
+
+def test_the_table_names_the_worst_gpu(capsys) -> None:
+    from lorapack.cli.place import _render
+
+    plan = _place(instance(np.full(12, 1.5)), verify_cap_rps=8.5)
+    _render(plan, [])
+    out = " ".join(capsys.readouterr().out.split())
+    worst = plan.worst_gpu
+    assert (f"worst GPU {worst['gpu']}: mean TTFT {worst['ttft_s']:.2f} s, p99 {worst['ttft_p99_s']:.2f} s "
+            f"(verified)") in out
+    assert "spread over the same GPUs (balanced arrangement" in out

@@ -29,9 +29,10 @@ Python API (what ``lorapack place`` and ``lorapack evaluate`` call)::
 * ``Plan`` / ``GpuPlan`` / ``plan_from_dict``: the plan.json contract; ``export.write_outputs`` writes
   ``plan.json``, ``serve.sh`` and ``routes.json``.
 
-Modules: ``registry`` (the methods), ``config`` (``PlaceConfig``), ``problem`` (instance), ``greedy`` (the one greedy driver), ``baselines`` (methods on a
-given pool), ``bound`` (K(S), MILP), ``verify`` (twin verification and repair), ``oracles`` (which oracle a
-method asks; twin runs in worker processes), ``api`` (``place``), ``export`` (files), ``plan`` (types).
+Modules: ``registry`` (the methods), ``config`` (``PlaceConfig``), ``problem`` (instance), ``greedy`` (the one
+greedy driver), ``baselines`` (methods on a given pool), ``bound`` (K(S), MILP), ``verify`` (twin verification
+and repair), ``oracles`` (the oracles a method asks; twin runs in worker processes), ``api`` (``place``),
+``export`` (files), ``plan`` (types).
 """
 
 from ..objective import DEFAULT_MAX_TTFT_S, Objective
@@ -45,8 +46,8 @@ from .registry import Method, get_method, method_names, methods, register
 from .search import bisect_smallest, first_true
 
 __all__ = [
-    "BINDING", "DEFAULT_HEADROOM", "DEFAULT_MAX_TTFT_S", "DEFAULT_VERIFY_SEEDS", "N_MAX", "TESTING_POINTS", "Context",
-    "GpuMetrics", "GpuPlan", "Infeasible", "Instance", "LowerBound", "Method", "Objective", "OracleOverrides",
+    "BINDING", "DEFAULT_HEADROOM", "DEFAULT_MAX_TTFT_S", "DEFAULT_VERIFY_SEEDS", "N_MAX", "TESTING_POINTS",
+    "Context", "GpuMetrics", "GpuPlan", "Infeasible", "Instance", "LowerBound", "Method", "Objective", "OracleOverrides",
     "PlaceConfig", "Plan", "assign", "bisect_smallest", "first_true", "get_method", "instance_from_workload",
     "lower_bound", "make_instance", "method_names", "methods", "place", "plan_from_dict", "register",
     "smallest_pool", "verify_plan", "zigzag_order",

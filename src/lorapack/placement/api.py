@@ -347,7 +347,8 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
     ctx = Context.of(profile, config, overrides, verify_arrivals, progress)
     n_max = ctx.options.n_max
     settings = {"objective": objective.to_dict(), "headroom": inst.headroom, "seed": int(config.seed),
-                "pool": config.gpus, "pool_role": "cap" if method.greedy else "size", "verify": verify, "verify_seeds": verify_seeds if verify else 0, "n_max": n_max,
+                "pool": config.gpus, "pool_role": "cap" if method.greedy else "size",  # what --gpus means
+                "verify": verify, "verify_seeds": verify_seeds if verify else 0, "n_max": n_max,
                 "n_max_hard": hard_n_max,
                 "verify_arrivals": _law(verify_arrivals) if verify else None,
                 "split_hot": config.split_hot, "mean_input_tokens": inst.mean_input_tokens,
