@@ -10,6 +10,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -192,3 +193,59 @@ def test_bad_flags_exit_2_with_one_line(args, message) -> None:
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_serve_plan_follows_routes_json(tmp_path) -> None:
+    """``serve --plan``: one twin server per GPU on the ports of routes.json, each with its GPU's adapters and
+    flags from plan.json; Ctrl-C stops them all."""
+    import os
+    import signal
+    import socket
+    import time
+
+    from serve_helpers import free_port
+
+    examples = Path(__file__).resolve().parents[1] / "src" / "lorapack" / "examples"
+    plan_dir = tmp_path / "plan"
+    while True:  # two free ports in a row
+        base = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", base + 1))
+            break
+        except OSError:
+            continue
+    p = subprocess.run([sys.executable, "-m", "lorapack.cli", "place", str(examples / "adapters.csv"), "--model", LLAMA,
+                        "--out", str(plan_dir), "--no-verify", "--gpus", "2", "--method", "round-robin",
+                        "--base-port", str(base)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    routes = json.loads((plan_dir / "routes.json").read_text())
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    proc = subprocess.Popen([sys.executable, "-m", "lorapack.cli", "serve", "--plan", str(plan_dir), "--base-port",
+                             str(base)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        for adapter, targets in routes.items():
+            for target in targets:
+                url = target["url"].removesuffix("/v1")
+                for _ in range(600):
+                    try:
+                        models = httpx.get(url + "/v1/models", timeout=2).json()
+                        break
+                    except httpx.HTTPError:
+                        time.sleep(0.2)
+                ids = [m["id"] for m in models["data"]]
+                assert adapter in ids
+                assert ids[1:] == plan["gpus"][target["gpu"]]["adapters"]
+                r = httpx.post(url + "/v1/completions", json={"model": adapter, "prompt": "x", "max_tokens": 2},
+                               timeout=60)
+                assert r.status_code == 200
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        assert proc.stderr.read().strip().splitlines()[-1] == "interrupted"
+        for targets in routes.values():
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(targets[0]["url"].removesuffix("/v1") + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
