@@ -171,6 +171,7 @@ def _render(plan, files: list[Path]) -> None:
         f"GPUs used: [bold]{plan.gpus_used}[/bold]; lower bound {plan.lower_bound_gpus}"
         + (f" (gap {gap})" if gap is not None else ""),
         f"placement {plan.placement_ms:,.1f} ms"
+        + (f" (+ {plan.load_ms:,.0f} ms loading the models)" if plan.load_ms > 0 else "")
         + (f"; verification {plan.verification_ms / 1e3:,.1f} s, {len(v.get('seeds', []))} seeds x "
            f"{v.get('duration_s', 0):,.0f} s per GPU, {v.get('gpus_added', 0)} GPU(s) added by repair"
            if v else "; not verified (--no-verify)"),

@@ -114,7 +114,8 @@ class Plan:
     gpu_type: str
     gpus: list[GpuPlan]
     lower_bound_gpus: int | None = None
-    placement_ms: float = NAN
+    placement_ms: float = NAN  # the method's wall time, learned models' loading excluded (load_ms)
+    load_ms: float = NAN  # loading the learned models the method asked (0 when already loaded or none)
     verification_ms: float = NAN
     infeasible: bool = False  # the method declared the workload infeasible (then ``gpus`` may be empty)
     reason: str = ""
@@ -188,6 +189,6 @@ def plan_from_dict(d: dict[str, Any]) -> Plan:
     gpus = [GpuPlan.from_dict(g) for g in d["gpus"]]
     keys = {k: d[k] for k in ("method", "model", "gpu_type", "lower_bound_gpus", "infeasible", "reason",
                               "settings", "lower_bound", "verification", "diagnostics") if k in d}
-    for k in ("placement_ms", "verification_ms"):
+    for k in ("placement_ms", "load_ms", "verification_ms"):
         keys[k] = NAN if d.get(k) is None else d[k]
     return Plan(gpus=gpus, **keys)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 from ..errors import LorapackError, SpecError
 from ..oracle import FEATURE_NAMES, GpuCandidate, MemoryRuleOracle, Prediction, features
 from ..profile import Profile
+from ..server import ServerConfig
 from .modelfile import KINDS, ModelFile, load_model, model_path
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -87,10 +89,50 @@ class LearnedOracle(MemoryRuleOracle):
                 for i, kv in enumerate(kv_tokens)]
 
 
+_LOADING = {"ms": 0.0}  # wall time this process spent in load_oracle
+_MODELS: dict[tuple, ModelFile] = {}  # read model files by (path, size, mtime): read once per process
+
+
+def loading_ms() -> float:
+    """Wall milliseconds this process has spent loading learned models (``load_oracle``: reading and checking
+    the file, readying the compiled code its answers run). Placement reports it as ``load_ms``, apart from
+    ``placement_ms``: take the difference of two readings around the placement."""
+    return _LOADING["ms"]
+
+
+def _read_model(path: Path) -> ModelFile:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    mf = _MODELS.get(key)
+    if mf is None:
+        mf = _MODELS[key] = load_model(path)
+    return mf
+
+
+def warm_up(oracle: LearnedOracle) -> None:
+    """Ready the compiled code an answer runs (the feature kernel and every target's tree evaluator): the
+    first call of a numba function in a process loads its machine code from the cache and sets numba up
+    (~0.2 s), which is loading, not answering."""
+    cand = GpuCandidate(profile=oracle.profile, ranks=np.array([8]), rates_rps=np.array([0.1]),
+                        server=ServerConfig(max_loras=1))
+    oracle.predict_features(features([cand]))
+
+
 def load_oracle(profile: Profile, kind: str = "surrogate", models_dir: str | Path | None = None) -> LearnedOracle:
     """The learned oracle of ``profile``: ``kind`` "surrogate" (the compiled ensemble, placement method
     ``proposed``) or "tree" (shallow trees, ``proposed-fast``), from ``models_dir`` (None: the models shipped
-    with lorapack)."""
+    with lorapack). A file is read once per process; its compiled code is readied here (``warm_up``), so the
+    oracle's first answer costs what the others do. The time spent counts in ``loading_ms()``."""
+    t0 = time.perf_counter()
+    try:
+        oracle = _load_oracle(profile, kind, models_dir)
+        warm_up(oracle)
+    finally:
+        _LOADING["ms"] += (time.perf_counter() - t0) * 1e3
+    return oracle
+
+
+def _load_oracle(profile: Profile, kind: str, models_dir: str | Path | None) -> LearnedOracle:
     if kind not in KINDS:
         raise SpecError(f"oracle kind '{kind}': expected one of {', '.join(KINDS)}")
     base = Path(models_dir) if models_dir is not None else SHIPPED_DIR
@@ -101,7 +143,7 @@ def load_oracle(profile: Profile, kind: str = "surrogate", models_dir: str | Pat
         where = "shipped with lorapack" if models_dir is None else f"in {base}"
         raise LorapackError(f"no {kind} model for {profile.model} on {profile.gpu} {where} (expected {path}); "
                             f"train one with `make models` (lorapack sweep / train / refine) or pass --models DIR")
-    mf = load_model(path)
+    mf = _read_model(path)
     if mf.kind != kind or mf.profile.get("model") != profile.model or mf.profile.get("gpu") != profile.gpu:
         raise LorapackError(f"{path}: a {mf.kind} model for {mf.profile.get('model')} on {mf.profile.get('gpu')}; "
                             f"expected a {kind} model for {profile.model} on {profile.gpu}")
