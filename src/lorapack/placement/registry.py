@@ -34,7 +34,7 @@ from .greedy import GreedyOptions
 from .problem import Instance
 
 
-class Context(Protocol):
+class MethodContext(Protocol):
     """What a pool method may use of the call it runs in (``api.Context`` implements it)."""
 
     profile: Profile
@@ -54,7 +54,7 @@ class Context(Protocol):
         ...
 
 
-PoolRun = Callable[[Instance, Context, int], Assignment]
+PoolRun = Callable[[Instance, MethodContext, int], Assignment]
 # the learned models' kinds (``lorapack.surrogate.load_oracle``) and the twin
 ORACLE_KINDS = ("surrogate", "tree", "twin")
 
@@ -71,7 +71,7 @@ class Method:
     summary: str  # after the name in ``lorapack place --help``
     oracle: str | None = None
     run: PoolRun | None = None
-    min_gpus: Callable[[Instance, Context], int] | None = None
+    min_gpus: Callable[[Instance, MethodContext], int] | None = None
     self_validated: bool = False
     baseline: bool = False  # someone else's (or a naive) method: evaluate's report compares `proposed` with it
     in_demo: bool = False  # placed by ``lorapack demo``
@@ -135,7 +135,7 @@ def report_baselines() -> tuple[str, ...]:
     return tuple(m.name for m in pool if m.baseline) + tuple(m.name for m in pool if not m.baseline)
 
 
-def loraserve_operating_point(inst: Instance, ctx: Context) -> dict[int, float]:
+def loraserve_operating_point(inst: Instance, ctx: MethodContext) -> dict[int, float]:
     """LoRAServe's operating point per slot rank: the twin's saturated throughput C(S) of the bound."""
     cap = ctx.cap(inst)
     return {s: cap(s) for s in sorted({default_slot_rank(int(r)) for r in inst.ranks})}
@@ -155,6 +155,8 @@ for _m in (
            baseline=True, in_demo=True, paper_fixed_pool=True),
     Method("least-adapters", "pool", "", run=lambda inst, ctx, g: least_adapters(inst, g), baseline=True,
            in_demo=True),
+    # round-robin chooses its one --max-loras with the search's twin, yet names no oracle of its own (plan.json's
+    # settings.oracle has always read "none" for it)
     Method("round-robin", "pool", "",
            run=lambda inst, ctx, g: round_robin(inst, ctx.profile, g, ctx.twin(), ctx.objective, ctx.options),
            self_validated=True, baseline=True, in_demo=True),
