@@ -13,14 +13,14 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lorapack"
 
 PROBE = """
 import sys
-from lorapack.twin.jitcache import cached_njit, twin_cache_dir
+from lorapack.twin.jitcache import cache_dir_for, cached_njit
 
 @cached_njit()
 def add(a, b):
     return a + b
 
 assert add(2, 3) == 5
-print(twin_cache_dir())
+print(cache_dir_for(__file__))
 """
 
 
@@ -40,13 +40,18 @@ def _probe(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_cache_goes_to_lorapack_cache_dir_under_the_source_hash(tmp_path: Path) -> None:
-    from lorapack.twin.jitcache import source_hash
+    """The engine's functions under the hash of the engine's sources, any other under its own file's hash."""
+    import hashlib
+
+    from lorapack.twin import engine
+    from lorapack.twin.jitcache import cache_dir_for, source_hash
 
     cache = tmp_path / "cache"
     out = _probe(tmp_path, LORAPACK_CACHE_DIR=str(cache))
     assert out.returncode == 0, out.stderr[-2000:]
     where = Path(out.stdout.strip().splitlines()[-1])
-    assert where == cache / "numba" / f"twin-{source_hash()}"
+    assert where == cache / "numba" / f"probe_mod-{hashlib.sha256(PROBE.encode()).hexdigest()[:16]}"
+    assert Path(cache_dir_for(engine.__file__)).name == f"twin-{source_hash()}"
     assert list(where.rglob("*.nbi")), "nothing was cached"
     assert not list(tmp_path.glob("__pycache__/*.nbi")), "numba wrote next to the source file"
 

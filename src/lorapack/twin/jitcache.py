@@ -5,10 +5,13 @@ helpers): numba's default would write next to the source file, and refuse to imp
 install without a writable home directory.
 
 numba keys a cached function by its own source file only, but the engine inlines the step-time code of
-``steptime.py`` and the gap binning of ``gaps.py``: the directory is therefore named after a hash of the three
-files, so a change of any gets fresh machine code. Location: ``$LORAPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/lorapack``, else
-``~/.cache/lorapack``; below it ``numba/twin-<hash>``. Without a writable directory the engine is compiled
-in every process (about a second) and nothing is written anywhere.
+``steptime.py`` and the gap binning of ``gaps.py``: the engine's directory is therefore named after a hash of
+the three files, so a change of any gets fresh machine code. Every other cached function (placement's and the
+learned models' helpers) contains only its own file's code and goes to a directory named after that file
+alone: an edit of the engine does not recompile them (a cold ``lorapack place`` would pay ~1 s for it).
+Location: ``$LORAPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/lorapack``, else ``~/.cache/lorapack``; below it
+``numba/twin-<hash>`` and ``numba/<file>-<hash>``. Without a writable directory the functions are compiled
+in every process (about a second for the engine) and nothing is written anywhere.
 """
 
 from __future__ import annotations
@@ -42,10 +45,7 @@ def source_hash() -> str:
     return hashlib.sha256(b"".join((here / f).read_bytes() for f in SOURCES)).hexdigest()[:16]
 
 
-@functools.cache
-def twin_cache_dir() -> str | None:
-    """The writable cache directory of this version of the twin's sources, or None if there is none."""
-    path = cache_root() / "numba" / f"twin-{source_hash()}"
+def _writable(path: Path) -> str | None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
@@ -54,14 +54,35 @@ def twin_cache_dir() -> str | None:
     return str(path)
 
 
+@functools.cache
+def twin_cache_dir() -> str | None:
+    """The writable cache directory of this version of the twin's sources, or None if there is none."""
+    return _writable(cache_root() / "numba" / f"twin-{source_hash()}")
+
+
+@functools.cache
+def cache_dir_for(source: str) -> str | None:
+    """The writable cache directory of the functions of one source file, or None if there is none: the
+    twin's (``twin_cache_dir``) for the engine's files, else one named after that file's own content."""
+    path = Path(source).resolve()
+    if path.parent == Path(__file__).resolve().parent and path.name in SOURCES:
+        return twin_cache_dir()
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError:  # no source file to key on (an interactive definition): numba cannot cache it anyway
+        return None
+    return _writable(cache_root() / "numba" / f"{path.stem}-{digest}")
+
+
 def cached_njit(**options: Any) -> Callable[[Callable], Any]:
-    """``numba.njit(cache=True, **options)`` with the cache in ``twin_cache_dir()`` (no caching without one).
+    """``numba.njit(cache=True, **options)`` with the cache in ``cache_dir_for(its file)`` (no caching without
+    one).
 
     numba picks a function's cache location when it is decorated, from ``numba.config.CACHE_DIR``; it is set
     for that moment only, so other packages' numba caches are left alone."""
 
     def decorate(fn: Callable) -> Any:
-        path = twin_cache_dir()
+        path = cache_dir_for(fn.__code__.co_filename)
         if path is None:
             return numba.njit(**options)(fn)
         before = numba_config.CACHE_DIR

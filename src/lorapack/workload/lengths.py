@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import root
-from scipy.special import ndtr, ndtri
 
 from ..errors import DataError, SpecError
 from ..spec import LengthsSpec
@@ -68,12 +66,16 @@ class LognormalLengths:
         # O conditional on P: its log-normal restricted to [MIN_TOKENS, MAX_TOTAL - P] (on the rounding grid)
         lo = self.o_cdf_lo
         v = lo + u[:, 1] * (self.o_cdf_hi[idx] - lo)
+        from scipy.special import ndtri  # (scipy imports where used: ~0.1 s off every command's start)
+
         o = np.rint(np.exp(self.mu_out + self.sigma_out * ndtri(v)))
         o = np.clip(o, MIN_TOKENS, MAX_TOTAL_TOKENS - p)  # boundaries are hit only by rounding ties
         return p.astype(np.int32), o.astype(np.int32)
 
 
 def _cdf(x: np.ndarray | float, mu: float, sigma: float) -> np.ndarray:
+    from scipy.special import ndtr
+
     return ndtr((np.log(np.maximum(x, 1e-300)) - mu) / sigma)
 
 
@@ -120,6 +122,8 @@ def solve_lognormal_lengths(
     s0 = math.sqrt(math.log1p(cv * cv))
     x0 = [math.log(mean_input_tokens) - s0 * s0 / 2, math.log(s0), math.log(mean_output_tokens) - s0 * s0 / 2,
           math.log(s0)]
+    from scipy.optimize import root  # here, not at import: scipy.optimize costs ~0.3-1 s to import (issue 26)
+
     with np.errstate(all="ignore"):
         sol = root(residual, x0, method="hybr", options={"xtol": 1e-12})
         err = np.abs(residual(sol.x))
