@@ -291,7 +291,7 @@ class TwinServer:
         """Add a checked request at the current twin time; its tokens come on the returned stream."""
         index = self.adapter_index(model)
         eng = self.engine
-        t = max(self.now_s(), eng._live.stop_s, eng._live.last_arrival_s)
+        t = max(self.now_s(), eng.arrival_floor_s)
         rid = eng.add_request(t, index, int(prompt_tokens), int(max_tokens))
         s = RequestStream(request_id=rid, model=model, prompt_tokens=int(prompt_tokens), max_tokens=int(max_tokens),
                           t_arr_s=t)
@@ -320,20 +320,15 @@ class TwinServer:
             except asyncio.CancelledError:
                 pass
 
-    def _idle(self) -> bool:
-        c = self.engine.counters
-        return int(c["n_waiting"]) == 0 and int(c["n_running"]) == 0 and \
-            int(c["next_arrival_index"]) == int(c["n_known"]) and not self.engine._live.abort_pending
-
     async def _run(self) -> None:
         eng = self.engine
         while True:
-            if self._idle():
+            if eng.idle:
                 self._publish()  # aborted requests leave
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            eng.advance_to(np.nextafter(max(eng.t_s, eng._live.stop_s), math.inf))
+            eng.advance_to(np.nextafter(eng.t_s, math.inf))  # exactly the next step (t_s >= every stop time)
             delay = self.wall_at(eng.t_s + self.frontend_s) - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)

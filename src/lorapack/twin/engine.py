@@ -1065,6 +1065,19 @@ class Engine:
         return book.ids[run.request[lo:lo + n_run]], run.output_tokens[lo:lo + n_run].copy()
 
     @property
+    def arrival_floor_s(self) -> float:
+        """The earliest time a request added now may arrive (``add_request``)."""
+        book = self._need_live("arrival_floor_s")
+        return max(book.last_arrival_s, book.stop_s)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to do until a request is added: none waiting, running, not yet injected or to abort."""
+        c = self.counters
+        return int(c["n_waiting"]) == 0 and int(c["n_running"]) == 0 and \
+            int(c["next_arrival_index"]) == int(c["n_known"]) and not (self._live and self._live.abort_pending)
+
+    @property
     def capacity(self) -> int:
         """Room for requests in the arrays (a live engine grows it only when the requests in flight need it)."""
         return len(self.state.requests.t_arr_s)
