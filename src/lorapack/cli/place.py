@@ -62,7 +62,7 @@ def _option(name: str, annotation: Any, default: Any, metadata: typing.Mapping[s
     text = metadata["help"]
     option = typer.Option(_flag(name, metadata), help=text() if callable(text) else text,
                           metavar=metadata.get("metavar"))
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,
                              annotation=Annotated[annotation, option])
 
 
@@ -93,7 +93,6 @@ def place_command() -> Callable[..., None]:
     ``--profile`` (generated from ``PlaceConfig``, so a new setting or method shows up here by itself)."""
     own = list(inspect.signature(_options, eval_str=True).parameters.values())
     params = [*own[:4], *config_options(), *own[4:]]
-    params = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params]
 
     def place(**values: Any) -> None:
         """Place WORKLOAD's adapters on the fewest GPUs: which adapter where, each GPU's --max-loras, verified by

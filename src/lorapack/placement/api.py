@@ -315,7 +315,6 @@ def build_plan(method: str, inst: Instance, profile: Profile, fills: list[GpuFil
     return Plan(method=method, model=profile.model, gpu_type=profile.gpu, gpus=gpus)
 
 
-
 def _loading_ms() -> float:
     """Milliseconds this process has spent loading learned models so far (``lorapack.surrogate``)."""
     try:
@@ -323,6 +322,7 @@ def _loading_ms() -> float:
     except ImportError:
         return 0.0
     return loading_ms()
+
 
 def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig | None = None,
           overrides: OracleOverrides | None = None, progress: Progress | None = None) -> Plan:
