@@ -14,7 +14,9 @@ of draws per request keeps common random numbers exact: request k of a stream al
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +110,49 @@ def _moments(mu_p: float, s_p: float, mu_o: float, s_o: float) -> tuple[float, f
     return mp, math.sqrt(max(vp, 0.0)) / mp, mo, math.sqrt(max(vo, 0.0)) / mo, z
 
 
+# Solutions of solve_lognormal_lengths kept across processes (the user cache directory, as the compiled code's:
+# $LORAPACK_CACHE_DIR, else $XDG_CACHE_HOME/lorapack, else ~/.cache/lorapack): the same parameters, bit for bit,
+# without importing scipy.optimize and solving again in every process that loads a log-normal workload.
+SOLVED_FILE = "lognormal_lengths.json"
+SOLVED_FORMAT = {"format": 1, "filter": [MIN_TOKENS, MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS], "solver": "hybr 1e-12"}
+
+
+def _solved_path() -> Path:
+    env = os.environ.get("LORAPACK_CACHE_DIR")
+    if env:
+        return Path(env).expanduser() / SOLVED_FILE
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "lorapack" / SOLVED_FILE
+
+
+def _solved() -> dict[str, list[float]]:
+    """The cached solutions (``"mean_in mean_out cv"`` -> the solver's x); empty when unreadable or stale."""
+    try:
+        doc = json.loads(_solved_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict) or {k: doc.get(k) for k in SOLVED_FORMAT} != SOLVED_FORMAT:
+        return {}
+    sols = doc.get("solutions")
+    return {k: v for k, v in sols.items() if isinstance(v, list) and len(v) == 4
+            and all(isinstance(a, float) for a in v)} if isinstance(sols, dict) else {}
+
+
+def _remember(key: str, x: np.ndarray) -> None:
+    sols = _solved()
+    if sols.get(key) == [float(a) for a in x]:
+        return
+    sols[key] = [float(a) for a in x]
+    path = _solved_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**SOLVED_FORMAT, "solutions": sols}, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs time
+
+
 @functools.lru_cache(maxsize=64)
 def solve_lognormal_lengths(
     mean_input_tokens: float, mean_output_tokens: float, cv: float = 1.1
@@ -122,18 +167,23 @@ def solve_lognormal_lengths(
     s0 = math.sqrt(math.log1p(cv * cv))
     x0 = [math.log(mean_input_tokens) - s0 * s0 / 2, math.log(s0), math.log(mean_output_tokens) - s0 * s0 / 2,
           math.log(s0)]
-    from scipy.optimize import root  # here, not at import: scipy.optimize costs ~0.3-1 s to import (issue 26)
+    key = f"{float(mean_input_tokens)!r} {float(mean_output_tokens)!r} {float(cv)!r}"
+    x = _solved().get(key)
+    if x is None:
+        from scipy.optimize import root  # here, not at import: scipy.optimize costs ~0.3-1 s to import
 
+        with np.errstate(all="ignore"):
+            x = root(residual, x0, method="hybr", options={"xtol": 1e-12}).x
     with np.errstate(all="ignore"):
-        sol = root(residual, x0, method="hybr", options={"xtol": 1e-12})
-        err = np.abs(residual(sol.x))
+        err = np.abs(residual(x))
     if not np.all(np.isfinite(err)) or err.max() > 1e-6:
         raise SpecError(
             f"lengths: cannot reach post-filter means {mean_input_tokens:g}/{mean_output_tokens:g} tokens with "
             f"cv {cv:g} under the ShareGPT filter (P>={MIN_TOKENS}, O>={MIN_TOKENS}, P<={MAX_INPUT_TOKENS}, "
             f"P+O<={MAX_TOTAL_TOKENS}); expected smaller means or cv, or kind 'empirical'"
         )
-    mu_p, s_p, mu_o, s_o = float(sol.x[0]), math.exp(sol.x[1]), float(sol.x[2]), math.exp(sol.x[3])
+    _remember(key, x)
+    mu_p, s_p, mu_o, s_o = float(x[0]), math.exp(x[1]), float(x[2]), math.exp(x[3])
     fo_ok = _cdf(_O_MAX + 0.5, mu_o, s_o) - _cdf(MIN_TOKENS - 0.5, mu_o, s_o)
     w = _pmf_p(mu_p, s_p) * fo_ok
     cdf = np.cumsum(w)
