@@ -87,19 +87,21 @@ class FlatForest:
             raise DataError("tree roots outside the node arrays")
         if self.agg not in AGGS or self.link not in LINKS:
             raise DataError(f"unknown aggregation '{self.agg}' or link '{self.link}'")
+        # elementwise masks, no gathers: a million nodes are checked in a few ms (part of every model load)
         inner = self.left >= 0
-        if (self.right[inner] < 0).any() or (self.left[~inner] != -1).any():
+        leaf = ~inner
+        if (inner & (self.right < 0)).any() or (leaf & (self.left != -1)).any():
             raise DataError("tree nodes with one child")
         # preorder (every exporter numbers nodes so): the left child is the next node, the right one further on;
         # walks end and indices stay in range, and the evaluator takes k + 1 for the left child
-        idx = np.arange(n)
-        if (self.left[inner] != idx[inner] + 1).any() or (self.right[inner] <= idx[inner] + 1).any() or \
+        nxt = np.arange(1, n + 1, dtype=np.int64)
+        if (inner & ((self.left != nxt) | (self.right <= nxt))).any() or \
                 (self.left.max() >= n) or (self.right.max() >= n):
             raise DataError("tree children out of order or out of range")
-        if (self.feature[inner] < 0).any() or (self.n_features and (self.feature[inner] >= self.n_features).any()):
+        if (inner & (self.feature < 0)).any() or (self.n_features and (inner & (self.feature >= self.n_features)).any()):
             raise DataError("tree split on a feature outside the feature vector")
-        if not (np.isfinite(self.value[~inner]).all() and np.isfinite(self.threshold[inner]).all()
-                and np.isfinite(self.base)):
+        if (leaf & ~np.isfinite(self.value)).any() or (inner & ~np.isfinite(self.threshold)).any() \
+                or not np.isfinite(self.base):
             raise DataError("non-finite tree values or thresholds")
 
     @property

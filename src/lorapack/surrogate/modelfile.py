@@ -86,17 +86,72 @@ def save_model(mf: ModelFile, path: str | Path) -> Path:
     return path
 
 
+UNPACKED_DIR = "models"  # below the user cache directory (``twin.jitcache.cache_root``)
+
+
+def _unpacked_path(path: Path) -> Path | None:
+    """Where an uncompressed copy of model file ``path`` is kept: named after the file's identity (path, size,
+    modification time), so a changed file gets a fresh copy. None without a cache directory."""
+    from ..twin.jitcache import cache_root
+
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    ident = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / UNPACKED_DIR / f"{path.stem}-{ident}.npz"
+
+
+def _read_arrays(path: Path) -> tuple[dict[str, np.ndarray], bool]:
+    """The file's arrays, from its uncompressed copy when there is one (zlib costs ~0.1-0.2 s per model, paid
+    by every cold ``lorapack place``); ``(arrays, from_copy)``. The content checksum is verified either way."""
+    copy = _unpacked_path(path)
+    if copy is not None and copy.is_file():
+        try:
+            with np.load(copy, allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}, True
+        except Exception:  # a damaged copy: read the file itself (and write the copy anew)
+            pass
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}, False
+    except Exception as e:  # not a zip / npz, or object arrays (would need pickle)
+        raise DataError(f"{path}: not a lorapack model file ({type(e).__name__}); expected a file written by "
+                        f"lorapack train or refine") from None
+
+
+def _keep_unpacked(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write the verified arrays uncompressed beside the other cached copies (older copies of the same file
+    name removed); an unwritable cache only costs time."""
+    copy = _unpacked_path(path)
+    if copy is None:
+        return
+    try:
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        for old in copy.parent.glob(f"{path.stem}-*.npz"):
+            if old != copy:
+                old.unlink(missing_ok=True)
+        tmp = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")
+        with tmp.open("wb") as f:
+            np.savez(f, **arrays)
+        tmp.replace(copy)
+    except OSError:
+        pass
+
+
 def load_model(path: str | Path) -> ModelFile:
     """Read and verify a model file; anything unexpected raises ``DataError`` naming the file."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"model file not found: {path}")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except Exception as e:  # not a zip / npz, or object arrays (would need pickle)
-        raise DataError(f"{path}: not a lorapack model file ({type(e).__name__}); expected a file written by "
-                        f"lorapack train or refine") from None
+    arrays, from_copy = _read_arrays(path)
+    mf = _model_from_arrays(path, dict(arrays))
+    if not from_copy:
+        _keep_unpacked(path, arrays)
+    return mf
+
+
+def _model_from_arrays(path: Path, arrays: dict[str, np.ndarray]) -> ModelFile:
     if META_KEY not in arrays:
         raise DataError(f"{path}: not a lorapack model file (no header)")
     try:
