@@ -99,7 +99,12 @@ def _unpacked_path(path: Path) -> Path | None:
     except OSError:
         return None
     ident = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / UNPACKED_DIR / f"{path.stem}-{ident}.npz"
+    return cache_root() / UNPACKED_DIR / f"{_copy_prefix(path)}-{ident}.npz"
+
+
+def _copy_prefix(path: Path) -> str:
+    """``<directory>__<name>``: the shipped models of each profile sit in their own directory."""
+    return f"{path.resolve().parent.name}__{path.stem}"
 
 
 def _read_arrays(path: Path) -> tuple[dict[str, np.ndarray], bool]:
@@ -128,7 +133,7 @@ def _keep_unpacked(path: Path, arrays: dict[str, np.ndarray]) -> None:
         return
     try:
         copy.parent.mkdir(parents=True, exist_ok=True)
-        for old in copy.parent.glob(f"{path.stem}-*.npz"):
+        for old in copy.parent.glob(f"{_copy_prefix(path)}-*.npz"):
             if old != copy:
                 old.unlink(missing_ok=True)
         tmp = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")
