@@ -91,3 +91,15 @@ def test_plan_reports_load_ms_apart_from_placement_ms(tmp_path: Path, monkeypatc
     plan = json.loads(out)
     assert plan["load_ms"] > 0 and plan["placement_ms"] >= 0
     assert json.loads((tmp_path / "plan" / "plan.json").read_text())["load_ms"] == plan["load_ms"]
+
+
+def test_loading_a_lognormal_workload_twice_needs_no_scipy(tmp_path: Path) -> None:
+    """The second process validates the lengths from the cached solution (what ``place --no-verify`` needs)."""
+    csv = tmp_path / "adapters.csv"
+    csv.write_text("adapter_id,rank,rate_rps\na,8,0.1\nb,16,0.2\n")
+    code = (f"import sys, json\nfrom lorapack.workload import load_workload\nw = load_workload({str(csv)!r})\n"
+            f"print(json.dumps([w.lengths.kind, [m for m in ('scipy.optimize', 'scipy.special') if m in sys.modules]]))")
+    cache = tmp_path / "cache"
+    kind, first = json.loads(_fresh(code, cache))
+    assert kind == "lognormal" and first  # solved (and cached) here
+    assert json.loads(_fresh(code, cache))[1] == []

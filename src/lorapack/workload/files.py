@@ -25,7 +25,7 @@ from ..spec import (
     expand_adapters,
 )
 from ..textfiles import error_text, iter_csv_rows, loc_str, validate_yaml_file, validation_error
-from .lengths import load_lengths_table, solve_lognormal_lengths
+from .lengths import check_lognormal_reachable, load_lengths_table
 from .trace import load_trace
 
 EXAMPLES_DIR = Path(__file__).parent.parent / "examples"
@@ -117,7 +117,7 @@ def _load_data_files(workload: Workload, where: str | None) -> None:
         isinstance(workload.arrivals, TraceArrivals) and workload.arrivals.trace_lengths
     ):
         try:
-            solve_lognormal_lengths(
+            check_lognormal_reachable(
                 workload.lengths.mean_input_tokens, workload.lengths.mean_output_tokens, workload.lengths.cv
             )
         except SpecError as exc:

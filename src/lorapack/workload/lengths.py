@@ -153,6 +153,18 @@ def _remember(key: str, x: np.ndarray) -> None:
         pass  # an unwritable cache only costs time
 
 
+def _solved_key(mean_input_tokens: float, mean_output_tokens: float, cv: float) -> str:
+    return f"{float(mean_input_tokens)!r} {float(mean_output_tokens)!r} {float(cv)!r}"
+
+
+def check_lognormal_reachable(mean_input_tokens: float, mean_output_tokens: float, cv: float) -> None:
+    """``solve_lognormal_lengths``'s ``SpecError`` when no log-normal reaches the targets; a solution this
+    machine already knows (``SOLVED_FILE``) answers at once (no solve, no scipy import: what a command that
+    only validates the workload, e.g. ``place --no-verify``, needs)."""
+    if _solved_key(mean_input_tokens, mean_output_tokens, cv) not in _solved():
+        solve_lognormal_lengths(mean_input_tokens, mean_output_tokens, cv)
+
+
 @functools.lru_cache(maxsize=64)
 def solve_lognormal_lengths(
     mean_input_tokens: float, mean_output_tokens: float, cv: float = 1.1
@@ -167,7 +179,7 @@ def solve_lognormal_lengths(
     s0 = math.sqrt(math.log1p(cv * cv))
     x0 = [math.log(mean_input_tokens) - s0 * s0 / 2, math.log(s0), math.log(mean_output_tokens) - s0 * s0 / 2,
           math.log(s0)]
-    key = f"{float(mean_input_tokens)!r} {float(mean_output_tokens)!r} {float(cv)!r}"
+    key = _solved_key(mean_input_tokens, mean_output_tokens, cv)
     x = _solved().get(key)
     if x is None:
         from scipy.optimize import root  # here, not at import: scipy.optimize costs ~0.3-1 s to import
