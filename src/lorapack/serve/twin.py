@@ -44,6 +44,16 @@ VLLM_DEFAULT_MAX_LORA_RANK = 16  # vLLM's --max-lora-rank default
 LAG_WINDOW = 100_000  # the most recent publication lags kept for the percentiles
 
 
+def startup_refusal(srv: ResolvedServer, model: str) -> str:
+    """vLLM's start-up error, in its words (``lorapack measure --launch`` reads the kind from them)."""
+    flags = f"--max-loras {srv.max_loras} --max-lora-rank {srv.max_lora_rank} --max-model-len {srv.max_model_len}"
+    if srv.error_type == "no_cache_blocks":
+        return f"No available memory for the cache blocks ({model}'s profile at {flags})"
+    return (f"To serve at least one request with the model's max seq len ({srv.max_model_len}), "
+            f"{srv.max_model_len} tokens of KV cache is needed, which is larger than the available KV cache memory "
+            f"({srv.kv_cache_tokens} tokens in {model}'s profile at {flags}); {srv.error_type}")
+
+
 def walk_order(n_static: int, capacity: int, seed: int) -> np.ndarray:
     """The order the worker walks a batch's adapters (a Python set's in vLLM, fixed for the server's life).
 
@@ -140,9 +150,7 @@ class TwinServer:
         ranks = np.array([m.rank or slot_rank for m in lora_modules] or [slot_rank], dtype=np.int64)
         srv = resolve_server(profile, ranks, flags)
         if not srv.starts:
-            raise SpecError(f"vLLM would not start with --max-loras {srv.max_loras} --max-lora-rank {srv.max_lora_rank} "
-                            f"--max-model-len {srv.max_model_len}: {srv.error_type} (KV cache {srv.kv_cache_tokens} "
-                            f"tokens in {profile.model}'s profile)")
+            raise SpecError(startup_refusal(srv, profile.model))
         self.srv: ResolvedServer = srv
         self.time_scale = float(time_scale)
         self.frontend_s = (profile.frontend.ttft_overhead_ms / 1000.0) if profile.frontend is not None else 0.0
