@@ -6,7 +6,7 @@ rate; the served model is not recorded) counts the CPU -> GPU activations after 
 bench rebuilds each run on the Llama profile (Poisson arrivals, the profile's length law, ``--max-lora-rank 8``)
 and counts the twin's activations with vLLM's adapter walk (``EngineConfig.lru_protects_batch = False``, the
 default: evictions may hit an adapter of the current batch not walked yet, which is then loaded again) and with
-the batch-protecting policy of twin.md §2.5. It prints real / twin ratios per run and their median per policy,
+the batch-protecting policy (``lru_protects_batch``, docs/engine-semantics.md). It prints real / twin ratios per run and their median per policy,
 and writes ``bench/results/adapter_loads.json``.
 
 Usage: ``python bench/adapter_loads.py [--runs 30] [--seed 0]``

@@ -1,4 +1,4 @@
-"""Twin fidelity on the real calibration runs: in-sample and leave-one-group-out (issue 3, twin.md §8.2).
+"""Twin fidelity on the real calibration runs: in-sample and leave-one-group-out (issue 3, docs/calibration.md, scores).
 
 Usage: python bench/fidelity.py [--data-dir DIR] [--out bench/results/fidelity.json] [--seeds 1] [--no-logo]
        [--model M] [--group GROUP]  (e.g. --group rank_32_rates_0.1_0.05_0.025: that fold only)

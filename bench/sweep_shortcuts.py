@@ -7,7 +7,7 @@ compares the starvation label and the throughput:
 
 * label agreement = share of rows whose ``starved`` equals the full run's, over the shortcut rows (early-stopped
   or pruned; full rows are identical by construction) and over all rows;
-* throughput SMAPE of early-stopped rows vs the full run, in both conventions of twin.md §4.3 (paper: no factor
+* throughput SMAPE of early-stopped rows vs the full run, in both conventions of ``realruns.smape`` (paper: no factor
   2, range 0-100; usual: factor 2, range 0-200). Pruned rows carry no throughput (NaN by design) and enter the
   label agreement only.
 
@@ -15,7 +15,7 @@ compares the starvation label and the throughput:
   carry them exactly (``adapter_labels_exact``: full runs and healthy early stops), of ``adapters_starved``;
 * ITL / TTFT SMAPE per kind of early stop (which rows carry which latency label, ``surrogate.dataset``).
 
-Targets (issues 4 and 8, twin.md §7.4): run-level and per-adapter label agreement >= 99.5 %, throughput SMAPE
+Targets (issues 4 and 8, ``twin.early``): run-level and per-adapter label agreement >= 99.5 %, throughput SMAPE
 <= 0.5 % (checked with the stricter usual convention). Before the twin had early termination this bench measured pruning alone; it
 says which shortcuts were active in its output.
 

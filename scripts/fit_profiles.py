@@ -1,4 +1,4 @@
-"""Fit the shipped profiles with the full procedure (twin.md §3.5 steps 1-2, §3.6): ``make profiles``.
+"""Fit the shipped profiles with the full procedure (docs/calibration.md): ``make profiles``.
 
 Usage: python scripts/fit_profiles.py [--data-dir DIR] [--out-dir DIR] [--report-dir DIR] [--model KEY ...]
        [--start DIR | --from-priors] [--max-minutes M]

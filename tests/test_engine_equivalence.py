@@ -1,4 +1,4 @@
-"""The fast engine must reproduce the literal reference engine (twin.md §8.1 item 1).
+"""The fast engine must reproduce the literal reference engine.
 
 Per request: ``t_sent``, ``t_first``, ``t_finish`` equal within 1e-9 relative (NaN positions identical) and
 ``n_preempted`` identical; counters identical; ``busy_s`` / ``sched_s`` / ``load_s`` within 1e-9 relative;

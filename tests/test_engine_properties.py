@@ -1,4 +1,4 @@
-"""Property tests of the twin engines (twin.md §8.1 item 2), with hypothesis.
+"""Property tests of the twin engines, with hypothesis.
 
 * ``test_reference_invariants_and_conservation``: the reference engine with ``check_invariants=True``
   (asserts |U| <= A, resident adapters <= A / N_cpu, 0 <= free <= blocks_total, block accounting,

@@ -1,4 +1,4 @@
-"""Metrics on hand-built engine results: every definition of twin.md §4.2 with numbers checked by hand."""
+"""Metrics on hand-built engine results: every definition of ``twin.metrics`` with numbers checked by hand."""
 
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def test_single_token_outputs_have_no_itl() -> None:
     assert m.ttft_mean_ms == pytest.approx(1000.0)
 
 
-# ---- per-adapter starvation (twin.md §4.2 extension) -------------------------------------------------
+# ---- per-adapter starvation (``twin.metrics``, per-adapter starvation) -------------------------------------------------
 
 
 def _adapter_case(n0: int, done0: int, n1: int, old_open_age_s: float | None, T: float = 1000.0):

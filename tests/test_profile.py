@@ -1,4 +1,4 @@
-"""Shipped profiles, the start-up rule, loading tables and the prior fits (twin.md §3)."""
+"""Shipped profiles, the start-up rule, loading tables and the prior fits (``twin.steptime``; docs/calibration.md)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_load_profile_file_errors(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("model, limits", [(LLAMA, {8: 384, 16: 224, 32: 96}), (QWEN, {8: 384, 16: 384, 32: 224})])
 def test_analytic_startup_limits_on_grid(model: str, limits: dict[int, int]) -> None:
-    """Without the measured table, rule 1 with the 2% margin gives the measured grid limits (twin.md §3.4)."""
+    """Without the measured table, rule 1 with the 2% margin gives the measured grid limits (``Profile.startup``)."""
     p = _analytic(find_profile(model))
     grid = [8, 16, 32, 64, *range(96, 385, 32)]
     for s, lim in limits.items():
@@ -95,7 +95,7 @@ def test_disk_ms(model: str) -> None:
 
 
 @pytest.mark.parametrize("model, ref", [
-    # twin.md §3.1, §3.3, §3.4 reference values and how close the priors must be
+    # the design's reference values (docs/calibration.md) and how close the priors must be
     (LLAMA, {"c0": 10.54175, "c1": 0.0437994, "p1": 0.0217, "T0": 307529, "k": 43.98, "c": 48.6,
              "disk": (67, 83, 125)}),
     (QWEN, {"c0": 10.61679, "c1": 0.0489449, "p1": 0.023, "T0": 702507, "k": 87.91, "c": 2.9,
@@ -126,7 +126,7 @@ def test_shipped_priors_match_twin_reference(model: str, ref: dict) -> None:
 @pytest.mark.parametrize("analytic", [False, True], ids=["with-table", "analytic"])
 @pytest.mark.parametrize("model", MODELS)
 def test_startup_every_memory_row(data_dir: Path, model: str, analytic: bool) -> None:
-    """Every probe of memory_kv_capacity.csv: ok rows start, failed rows are refused (twin.md §3.4)."""
+    """Every probe of memory_kv_capacity.csv: ok rows start, failed rows are refused (``Profile.startup``)."""
     p = find_profile(model)
     if analytic:
         p = _analytic(p)
@@ -157,7 +157,7 @@ def test_startup_calibration_runs(data_dir: Path, model: str) -> None:
 
 
 @pytest.mark.parametrize("model, max_abs, mean_rel", [
-    # twin.md §3.4 "fit error": max 2.8k tokens / mean 0.33% (Llama), max 10.7k / mean 0.9% (Qwen), stated to
+    # the memory rule's fit error: max 2.8k tokens / mean 0.33% (Llama), max 10.7k / mean 0.9% (Qwen), stated to
     # two digits; the bounds allow that rounding plus vLLM's rounding down to a block (16 tokens).
     (LLAMA, 2_850 + 16, 0.0035),
     (QWEN, 10_750 + 16, 0.0095),

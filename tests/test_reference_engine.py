@@ -1,4 +1,4 @@
-"""Hand-computed cases for the literal reference engine (twin.md §8.1 item 3, docs/engine-semantics.md).
+"""Hand-computed cases for the literal reference engine (docs/engine-semantics.md).
 
 Most cases use a step model whose only term is ``c0 = 15.625 ms``: every step then lasts exactly
 ``DT = 1/64 s`` and all times below are exact binary fractions, so they are compared with ``==``.
@@ -498,7 +498,7 @@ def test_rejects_invalid_input():
 
 def test_lru_eviction_cascade_of_vllms_adapter_walk() -> None:
     """vLLM walks a batch's adapters in set order and evicts the LRU slot even when it holds an adapter of this
-    batch not walked yet; the policy of twin.md §2.5 protects the batch (one load instead of two)."""
+    batch not walked yet; the batch-protecting policy protects the batch (one load instead of two)."""
     from engine_cases import CASCADE_ROWS
 
     t, a, p, o = zip(*CASCADE_ROWS, strict=True)

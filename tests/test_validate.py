@@ -1,4 +1,4 @@
-"""``lorapack validate``: replaying real runs through the twin (twin.md §8.2) and scoring it (§4.3)."""
+"""``lorapack validate``: replaying real runs through the twin (docs/calibration.md, scores) and scoring it (``realruns.smape``)."""
 
 from __future__ import annotations
 

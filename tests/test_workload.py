@@ -1,4 +1,4 @@
-"""Workload spec parsing and request generation (twin.md §5, placement.md §6.2 / §6.5)."""
+"""Workload spec parsing and request generation (``workload.lengths``, placement.md §6.2 / §6.5)."""
 
 from __future__ import annotations
 

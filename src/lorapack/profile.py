@@ -1,4 +1,4 @@
-"""Profiles: fitted constants of one GPU x model x vLLM version, stored as YAML (twin.md §3).
+"""Profiles: fitted constants of one GPU x model x vLLM version, stored as YAML (docs/calibration.md).
 
 Profiles are data produced by ``scripts/fit_profiles.py`` / ``lorapack calibrate`` — never hand-edited.
 A shipped profile lives in ``lorapack/profiles/<gpu>__vllm-<version>__<model>.yaml``.
@@ -51,7 +51,7 @@ class MemoryModel(_Frozen):
 
 
 class StepTimeModel(_Frozen):
-    """Forward-pass time of one step (twin.md §3.1; formula in ``twin.steptime.compute_ms``).
+    """Forward-pass time of one step (formula in ``twin.steptime.compute_ms``; docs/calibration.md).
 
     ``base = c0 + c1*B + p1*n_pf + a3*ctx/1000``; additive LoRA part, when the batch uses adapters:
     ``e0 + (S/8)**gamma_token * ((e1 + e4*A/1000)*B_dec + (e1p + e4*A/1000)*n_pf)
@@ -118,7 +118,7 @@ class LoadingModel(_Frozen):
 
 
 class RunsLengths(_Frozen):
-    """The ShareGPT-like length law (twin.md §5 log-normal fallback) that best rebuilds the real runs the
+    """The ShareGPT-like length law (``workload.lengths``) that best rebuilds the real runs the
     profile was refined against: their prompt pool tokenised for this model. ``lorapack validate`` rebuilds
     runs with it; the generic workload default (cv 1.1) is an inference, this one is fitted."""
 
@@ -136,7 +136,7 @@ class FrontendModel(_Frozen):
 
 
 class Priors(_Frozen):
-    """The closed-form fits of the profiling data (twin.md §3.5 step 1), kept beside the refined values.
+    """The closed-form fits of the profiling data (docs/calibration.md), kept beside the refined values.
 
     Only sections that a later stage changes are stored: ``steptime`` is refined against end-to-end runs
     (step 2); memory, scheduler and loading are used as fitted (the top-level sections are their priors).
@@ -172,7 +172,7 @@ class Profile(_Frozen):
     tensor_parallel_size: int = Field(default=1, ge=1)
     provenance: dict = Field(default_factory=dict)
 
-    # ---- memory and the start-up rule (twin.md §3.4) ----
+    # ---- memory and the start-up rule (``Profile.startup``) ----
     def _measured(self, max_loras: int, max_lora_rank: int) -> KvPoint | None:
         for p in self.memory.measured:
             if p.max_loras == max_loras and p.max_lora_rank == max_lora_rank:
@@ -193,7 +193,7 @@ class Profile(_Frozen):
         """``(starts, kv_tokens, error_type)``: would vLLM start with these flags?
 
         ``kv_start`` is the version's rule (``lorapack.server.VllmRules.kv_start``): ``"profile"`` (vLLM 0.8.5,
-        twin.md §3.4: measured points, else ``kv >= (1 + startup_margin) * max_model_len``) or
+        ``Profile.startup``: measured points, else ``kv >= (1 + startup_margin) * max_model_len``) or
         ``"one_sequence_minus_null_block"`` (vLLM 0.32, measured on the testbed: one ``max_model_len``
         sequence must fit in the KV cache minus one block, V1's null block)."""
         mml = self.max_model_len if max_model_len is None else max_model_len
@@ -232,7 +232,7 @@ class Profile(_Frozen):
                 break
         return best
 
-    # ---- adapter loading (twin.md §3.3) ----
+    # ---- adapter loading (docs/calibration.md, the step-time model) ----
     def activation_ms(self, max_lora_rank: int, rank: int) -> float:
         """CPU -> GPU activation time; exact table value, else a log-linear fit over the table."""
         pts = self.loading.activation

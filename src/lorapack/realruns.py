@@ -2,12 +2,12 @@
 
 The one place that turns a measured run (schema of ``shared/data/real-runs/*.csv``) into twin inputs, and
 the one place that scores predictions against measurements; ``lorapack validate`` and the calibration's
-refinement (``calibrate.refine``) both use it (twin.md §8.2, §3.5 step 2).
+refinement (``calibrate.refine``) both use it (docs/calibration.md).
 
 A run is rebuilt as the real benchmark did: ``n_adapters`` adapters with ranks from ``rank_counts`` and rates
 from ``rate_counts``, the rank<->rate pairing and the registration order shuffled by the seed, the row's pool
 mean lengths, its window and server flags, and the client-saturation cap on (it is part of the measured
-system, twin.md §2.6).
+system: ``client_cap``, docs/engine-semantics.md).
 """
 
 from __future__ import annotations
@@ -467,7 +467,7 @@ def _confusion_dict(c: dict[str, int]) -> dict[str, int]:
 
 
 def score_runs(rows: Sequence[dict], preds: Sequence[RunPrediction]) -> dict:
-    """Scores of predictions against the measured rows: both SMAPE conventions (twin.md §4.3), starvation
+    """Scores of predictions against the measured rows: both SMAPE conventions (``realruns.smape``), starvation
     agreement (all labelled runs, and the clear ones outside ``NOISY_RATIO``), OOM agreement."""
     cmp = compare_runs(rows, preds)
     ok = [c for c in cmp if c.scored]

@@ -19,8 +19,8 @@ over-long request      prompt + max_tokens >       refused iff prompt >= mml or 
                        mml: refused (HTTP 400)     max_tokens > mml; else the
                                                    output is cut to mml - prompt
 ``--max-lora-rank``    8 16 32 64 128 256 320 512  1 and the same                  as 0.32
-KV start rule          the profile's (twin.md      one max_model_len sequence fits  as 0.32
-                       §3.4)                       in the KV cache minus one block
+KV start rule          the profile's memory rule   one max_model_len sequence fits  as 0.32
+                       (``Profile.startup``)       in the KV cache minus one block
 active-adapter cost    0 (neutral seam)            0 (neutral seam)                 0 (neutral seam)
 =====================  ==========================  ===============================  ==========================
 
@@ -70,7 +70,7 @@ class VllmRules:
     # mml - prompt tokens (0.32, measured on the testbed)
     over_long: OverLong
     lora_ranks: tuple[int, ...]  # the --max-lora-rank values vLLM accepts
-    # the start-up rule: "profile" = the profile's memory rule (twin.md §3.4); "one_sequence_minus_null_block"
+    # the start-up rule: "profile" = the profile's memory rule (``Profile.startup``); "one_sequence_minus_null_block"
     # = additionally one max_model_len sequence must fit in the KV cache minus one block (V1's null block)
     kv_start: KvStart
     default_gpu_memory_utilization: float = 0.9  # vLLM's default when the flag is not given
@@ -136,7 +136,7 @@ class ServerConfig:
     smallest accepted value holding every served rank, ``max_cpu_loras`` max(N, max_loras), the batch limits
     and ``max_model_len`` the profile's, ``gpu_memory_utilization`` / ``enable_prefix_caching`` the values the
     profile was measured with (what ``serve.sh`` pins), ``vllm_version`` the profile's, ``rules`` the rule set
-    of that version. ``client_cap`` (the benchmark client's saturation cap, twin.md §2.6; 0 = off) and
+    of that version. ``client_cap`` (the benchmark client's saturation cap, docs/engine-semantics.md; 0 = off) and
     ``warm_start`` (the last registered adapters are resident at t = 0) describe the run, not vLLM.
     """
 

@@ -7,7 +7,7 @@ The validated models only. A workload is loaded from YAML or from a bare adapter
 
 YAML layout (all sections but the adapters are optional)::
 
-    adapters:                      # registration order = list order (twin.md §2.5)
+    adapters:                      # registration order = list order (docs/engine-semantics.md, adapters)
       - {adapter_id: chat, rank: 16, rate_rps: 0.5, path: /lora/chat}
       - {count: 32, rank: 8, rate_rps: 0.1, id_prefix: r8}   # group -> r8-0 ... r8-31
     # or:  adapters_csv: adapters.csv   (relative to this file)
@@ -42,7 +42,7 @@ from pydantic import (
 
 DEFAULT_MEAN_INPUT_TOKENS = 223.0
 DEFAULT_MEAN_OUTPUT_TOKENS = 197.0
-DEFAULT_LENGTHS_CV = 1.1  # post-filter CV implied by the published runs (twin.md §5, an inference)
+DEFAULT_LENGTHS_CV = 1.1  # post-filter CV implied by the published runs (``workload.lengths``, an inference)
 MAX_TOKENS = 2**31 - 1  # token counts are int32 in the engine's inputs
 # log-normal gaps keep their mean 1/rate, but their median is exp(-sigma^2/2)/rate: past sigma ~6 nearly every
 # gap is ~0 and a window's count is set by a handful of huge draws (sigma 50: the run never ends)
@@ -189,7 +189,7 @@ class LengthsSpec(FrozenModel):
     """Prompt / output token counts of the requests.
 
     * ``fixed``: every request has ``round(mean_input_tokens)`` / ``round(mean_output_tokens)`` tokens.
-    * ``lognormal``: the ShareGPT-like fallback of twin.md §5 -- independent log-normals truncated by the
+    * ``lognormal``: the ShareGPT-like fallback of ``workload.lengths`` -- independent log-normals truncated by the
       ShareGPT filter (``P >= 4, O >= 4, P <= 1024, P + O <= 2048``) whose post-filter means equal the
       targets and whose post-filter CV is ``cv``. An approximation of real lengths; say so in reports.
     * ``empirical``: ``(P, O)`` pairs bootstrapped (with replacement) from a CSV ``input_tokens,output_tokens``

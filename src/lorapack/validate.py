@@ -1,4 +1,4 @@
-"""``lorapack validate``: replay real benchmark runs through the twin and score it (twin.md §8.2).
+"""``lorapack validate``: replay real benchmark runs through the twin and score it (docs/calibration.md, scores).
 
 Rows are checked here (one line naming the row on a problem); rebuilding a run, simulating it and scoring
 the predictions is ``lorapack.realruns`` (shared with the calibration's refinement).

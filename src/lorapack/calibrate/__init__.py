@@ -1,4 +1,4 @@
-"""Calibration: fit profile constants from a profiling data directory (twin.md §3.5).
+"""Calibration: fit profile constants from a profiling data directory (docs/calibration.md).
 
 The data directory (laid out like ``../shared/data``) is never shipped with lorapack; it is located with
 ``default_data_dir()``: the ``LORAPACK_DATA`` environment variable, else ``<repo>/../shared/data``.

@@ -1,6 +1,6 @@
 """``lorapack calibrate``: fit a profile from profiling data, refine it against end-to-end runs, report.
 
-1. closed-form priors from the profiling directory (``priors.fit_priors_from``, twin.md §3.5 step 1);
+1. closed-form priors from the profiling directory (``priors.fit_priors_from``, docs/calibration.md);
 2. with ``--runs``: simulation-based refinement of the free step-time constants (``refine.refine``), in two
    stages (every third run, then all runs), each run to convergence under a shared wall-time cap; then the
    API server's TTFT overhead (``profile.frontend``) from the runs without queueing, and a final validation
@@ -311,7 +311,7 @@ def calibrate(profiling: str | Path, model: str | None = None, gpu: str | None =
                                 max_model_len=max_model_len)
     prov: dict[str, Any] = dict(prior.provenance)
     prov["generated_by"] = "lorapack calibrate (lorapack.calibrate.command.calibrate)"
-    prov["stage"] = "priors (twin.md section 3.5 step 1)"
+    prov["stage"] = "priors (docs/calibration.md)"
     prov["date"] = datetime.now(UTC).replace(microsecond=0).isoformat()
     prov["lorapack_version"] = __version__
     summary: dict[str, Any] = {"model": rename or model, "gpu": gpu, "vllm_version": vllm_version, "profile": str(out_path),
@@ -332,7 +332,7 @@ def calibrate(profiling: str | Path, model: str | None = None, gpu: str | None =
             log(f"{model}: validating on {len(rows)} runs (priors only, then refined)")
         s_prior, table_prior = validate_profile(prior, rows, seeds=seed_list, lengths=lengths, workers=workers)
         s_ref, table = validate_profile(prof, rows, seeds=seed_list, lengths=lengths, workers=workers)
-        prov["stage"] = "priors (twin.md section 3.5 step 1) + simulation-based refinement (step 2)"
+        prov["stage"] = "priors + simulation-based refinement (docs/calibration.md)"
         p_ref["start"] = ("the priors" if start is None else
                           f"the constants of a profile fitted {start.provenance.get('date', '(undated)')} "
                           f"(hash {start.file_hash()}): " + ", ".join(f"{n}={param_value(n, start):.6g}" for n in free))

@@ -1,6 +1,6 @@
-"""Closed-form "prior" fits of a profile from the profiling files (twin.md §3.5 step 1).
+"""Closed-form "prior" fits of a profile from the profiling files (docs/calibration.md).
 
-Each estimator of twin.md §3 is fitted with a few lines of numpy/scipy from a data directory laid out like
+Each estimator of the step-time model (``twin.steptime``, docs/calibration.md) is fitted with a few lines of numpy/scipy from a data directory laid out like
 ``../shared/data`` (schemas in its README §3). ``fit_priors`` assembles them into a ``Profile`` whose
 ``provenance`` records the input file hashes and, per fit, the parameters, R², RMSE and number of points.
 
@@ -50,7 +50,7 @@ MODEL_PROPERTIES: dict[str, dict[str, int]] = {
     "qwen-2.5-7b-instruct": {"max_model_len": 32768, "kv_bytes_per_token": 28 * 4 * 128 * 2 * 2},
 }
 
-# vLLM defaults of the reference setup that the data files do not record (twin.md §1).
+# vLLM defaults of the reference setup that the data files do not record.
 BLOCK_SIZE = 16
 # The paper's scheduler baseline (authors' BASELINE_LATENCY, 1.9642263413907038e-4 s): the scheduler time that
 # is already contained in the decode step fit c0 + c1*B, so only the excess is charged. It cannot be re-derived
@@ -146,7 +146,7 @@ def plain_scalars(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def fit_memory(mem: _Csv, default: _Csv, model: str, max_num_seqs: int) -> tuple[MemoryModel, dict]:
-    """``T_max(A, S) = T0 − A·(k·S + c)`` by least squares over the ok start-ups (twin.md §3.4)."""
+    """``T_max(A, S) = T0 − A·(k·S + c)`` by least squares over the ok start-ups (``Profile.startup``)."""
     rows = mem.select(f"{model}", lambda r: r["model"] == model
                       and _to_float(r["max_num_seqs"]) == max_num_seqs)
     ok = [r for r in rows if r["status"].strip() == "ok"]
@@ -190,7 +190,7 @@ def fit_memory(mem: _Csv, default: _Csv, model: str, max_num_seqs: int) -> tuple
 
 
 def fit_decode(default: _Csv, model: str) -> tuple[float, float, dict]:
-    """``c0 + c1·B``: OLS of ``mean_itl_ms`` on ``mean_batch_size`` over the decode runs (twin.md §3.1)."""
+    """``c0 + c1·B``: OLS of ``mean_itl_ms`` on ``mean_batch_size`` over the decode runs (``twin.steptime``; docs/calibration.md)."""
     rows = default.select(f"{model} decode", lambda r: r["model"] == model and r["phase"] == "decode"
                           and r["status"].strip() == "ok", min_rows=3)
     b = default.num(rows, "mean_batch_size", f"{model} decode")
@@ -199,7 +199,7 @@ def fit_decode(default: _Csv, model: str) -> tuple[float, float, dict]:
     c0, c1 = _ols(x, y)
     prov = {"method": "OLS mean_itl_ms ~ 1 + mean_batch_size, phase == decode",
             "parameters": {"c0_ms": float(c0), "c1_ms_per_req": float(c1)}, **fit_stats(y, x @ [c0, c1])}
-    # The alternative on the per-step log (twin.md §3.1 table), recorded for comparison only.
+    # The alternative on the per-step log (docs/calibration.md, the step-time model), recorded for comparison only.
     logged = [r for r in rows if math.isfinite(_to_float(r["step_ms_mean"]))]
     if len(logged) >= 3:
         bl = default.num(logged, "mean_batch_size", "logged decode")
@@ -211,7 +211,7 @@ def fit_decode(default: _Csv, model: str) -> tuple[float, float, dict]:
 
 
 def fit_prefill(default: _Csv, model: str, c0: float, budget: int) -> tuple[float, dict]:
-    """Prefill cost per token ``p1`` from the flood runs with output 1 (twin.md §3.1)."""
+    """Prefill cost per token ``p1`` from the flood runs with output 1 (``twin.steptime``; docs/calibration.md)."""
     rows = default.select(f"{model} prefill", lambda r: r["model"] == model and r["phase"] == "prefill"
                           and r["status"].strip() == "ok")
     step = default.num(rows, "step_ms_mean", f"{model} prefill")
@@ -274,7 +274,7 @@ def lora_overhead_points(profiling_dir: str | Path, model: str) -> list[dict]:
 
 
 def fit_lora_multiplicative(lora: _Csv, model: str) -> tuple[float, float, dict]:
-    """Paper form: ``itl_pct_of_baseline = k0 + k1·L`` by OLS (twin.md §3.1)."""
+    """Paper form: ``itl_pct_of_baseline = k0 + k1·L`` by OLS (``twin.steptime``; docs/calibration.md)."""
     rows, lv, n_log = _overhead_rows(lora, model)
     y = lora.num(rows, "itl_pct_of_baseline", f"{model} overhead_small")
     x = np.column_stack([np.ones_like(lv), lv])
@@ -287,7 +287,7 @@ def fit_lora_multiplicative(lora: _Csv, model: str) -> tuple[float, float, dict]
 
 def fit_lora_additive(lora: _Csv, calib: _Csv | None, model: str, c0: float, c1: float
                       ) -> tuple[tuple[float, float, float], dict]:
-    """Indicative joint fit of ``e0 + e1·n_tok + e2·L`` on the residual over the decode base (twin.md §3.1).
+    """Indicative joint fit of ``e0 + e1·n_tok + e2·L`` on the residual over the decode base (``twin.steptime``; docs/calibration.md).
 
     ``calib`` (end-to-end runs) is optional: without it only the overhead runs are used."""
     rows, lv, _ = _overhead_rows(lora, model)
@@ -341,7 +341,7 @@ def fit_lora_additive(lora: _Csv, calib: _Csv | None, model: str, c0: float, c1:
 
 
 def fit_scheduler(scheds: list[_Csv], baseline_ms: float = SCHED_BASELINE_MS) -> tuple[SchedulerModel, dict]:
-    """Paper scheduler form, reproducing its procedure (twin.md §3.2).
+    """Paper scheduler form, reproducing its procedure (docs/calibration.md, the step-time model).
 
     Regressors B, W, W·A/N are min-max scaled to [0, 1] over the data and fitted by OLS without intercept on
     seconds per step; converting back to raw units turns the scaling offset of B into the constant term.
@@ -378,7 +378,7 @@ def fit_scheduler(scheds: list[_Csv], baseline_ms: float = SCHED_BASELINE_MS) ->
 
 
 def fit_loading(summary: _Csv, events: _Csv, model: str) -> tuple[LoadingModel, dict]:
-    """Activation table (mean after start-up) and disk medians (event 1 has a one-off warm-up) (twin.md §3.3)."""
+    """Activation table (mean after start-up) and disk medians (event 1 has a one-off warm-up) (docs/calibration.md, the step-time model)."""
     rows = summary.select(f"{model}", lambda r: r["model"] == model)
     s = summary.num(rows, "max_lora_rank", model)
     r = summary.num(rows, "adapter_rank", model)
@@ -431,7 +431,7 @@ def _single_int(f: _Csv, rows: list[dict[str, str]], col: str) -> int:
 
 
 def fit_priors(data_dir: str | Path, model: str, gpu: str = "h100-64gb", vllm_version: str = "0.8.5") -> Profile:
-    """Fit every estimator of ``model`` from the data directory ``data_dir`` (twin.md §3.5 step 1).
+    """Fit every estimator of ``model`` from the data directory ``data_dir`` (docs/calibration.md).
 
     ``data_dir`` is laid out like ``../shared/data``: ``profiling/*.csv`` and ``real-runs/calibration.csv``
     (whose non-queueing runs join the additive LoRA fit). ``gpu`` and ``vllm_version`` are labels of the
@@ -508,12 +508,12 @@ def fit_priors_from(profiling_dir: str | Path, runs_csv: str | Path | None, mode
                              e3_ms_per_kreq_adapter=0.0, gamma=0.0, k0_pct=k0, k1_pct_per_adapter=k1)
     provenance = plain_scalars({
         "generated_by": "lorapack.calibrate.priors.fit_priors_from",
-        "stage": "priors (twin.md section 3.5 step 1)",
+        "stage": "priors (docs/calibration.md)",
         "lorapack_version": __version__,
         "date": datetime.now(UTC).replace(microsecond=0).isoformat(),
         "inputs": {f.rel: f.sha256 for f in files},
         "max_model_len_source": mml_src,
-        "block_size_source": "vLLM default (twin.md section 1); not recorded in the data",
+        "block_size_source": "vLLM default; not recorded in the data",
         "fits": {"memory": p_mem, "decode": p_dec, "prefill": p_pf, "lora_multiplicative": p_mul,
                  "lora_additive": p_add, "scheduler": p_sched, "loading": p_load},
     })

@@ -1,4 +1,4 @@
-"""Simulation-based refinement of the step-time constants against real end-to-end runs (twin.md §3.5 step 2).
+"""Simulation-based refinement of the step-time constants against real end-to-end runs (docs/calibration.md).
 
 Every real run (schema of ``shared/data/real-runs/calibration.csv``) is rebuilt and simulated with a candidate
 profile by ``lorapack.realruns`` (as ``lorapack validate`` does: same adapters, rates, pool-mean lengths, window,
@@ -60,7 +60,7 @@ FREE_PARAMS: dict[str, FreeParam] = {p.name: p for p in (
 )}
 DEFAULT_FREE = ("e0", "e1", "e1p", "e2", "e3", "e4", "gamma_token", "gamma_adapter", "a3", "cv")
 CV_FIELD = "runs_lengths.cv"
-DEFAULT_CV = 1.1  # the spec default (twin.md §5): the prior of the fitted CV
+DEFAULT_CV = 1.1  # the spec default (``workload.lengths``): the prior of the fitted CV
 
 # Residual scale: a 5 % log error is one unit; soft_l1 is quadratic below that and linear above (like SMAPE).
 RESIDUAL_SCALE = 0.05

@@ -143,7 +143,7 @@ def validate(
         else:
             t.add_row(label, *(fmt(s.get(key), digits) for s in models.values()))
     console.print(t)
-    console.print("SMAPE without the factor 2 (0-100, twin.md §4.3); TTFT = completed-only mean; --json adds the "
+    console.print("SMAPE without the factor 2 (0-100; lorapack.realruns.smape); TTFT = completed-only mean; --json adds the "
                   "breakdowns by group and by --max-lora-rank, every TTFT regime and objective (1, 2, 5, 10 s).")
     if report["pooled"]:
         ag = report["pooled"]["ttft_objective_agreement"]

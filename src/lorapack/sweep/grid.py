@@ -404,7 +404,7 @@ class SweepConfig:
 
     @property
     def series_key(self) -> tuple:
-        """Configs that differ only in N form one series (twin.md §7.5)."""
+        """Configs that differ only in N form one series (docs/sweep.md, N-series pruning)."""
         return (self.model, self.gpu, self.rate_tuple, self.rank_tuple, self.adapter_slots, self.lengths_kind,
                 self.mean_input_tokens, self.mean_output_tokens, self.lengths_cv, self.duration_s, self.seed,
                 self.rate_law, self.pad_fraction, self.explicit_rates, self.explicit_ranks)
@@ -521,7 +521,7 @@ def boundary_configs(configs: list[SweepConfig], ratios: dict[str, float], extra
 
 
 def group_series(configs: list[SweepConfig]) -> list[list[SweepConfig]]:
-    """``configs`` grouped into N-series (same ``series_key``; twin.md §7.5), in order of first appearance,
+    """``configs`` grouped into N-series (same ``series_key``; docs/sweep.md, N-series pruning), in order of first appearance,
     each by increasing N."""
     series: dict[tuple, list[SweepConfig]] = {}
     for c in configs:
@@ -584,7 +584,7 @@ def _paper(name: str, model: str) -> GridSpec:
         name=name, model=model, gpu="h100-64gb", rate_pool_rps=list(PAPER_RATE_POOL_RPS), rate_tuple_size=3,
         rank_tuples=[list(t) for t in PAPER_RANK_TUPLES], served_adapters=list(PAPER_SIZES),
         adapter_slots=list(PAPER_SIZES),
-        # the ShareGPT-like log-normal law of twin.md §5 (post-filter means 223 / 197) with the CV the
+        # the ShareGPT-like log-normal law of ``workload.lengths`` (post-filter means 223 / 197) with the CV the
         # profile fitted to its real runs (the oracle's queries use it too), 1.1 without a fit
         lengths=LengthsSpec(kind="lognormal", mean_input_tokens=223.0, mean_output_tokens=197.0,
                             cv=_profile_cv(model)),

@@ -10,7 +10,7 @@ Row fields (one row per config; schema in ``store.SCHEMA``):
   ``std_rate`` (ddof 0), ``max_size``, ``mean_size``, ``std_size`` (ddof 0), plus ``mean_input_tokens``,
   ``mean_output_tokens`` (the length law's means), ``lengths_kind``, ``max_lora_rank``, ``duration_s`` and the
   tuples the adapters were drawn from;
-* labels and metrics of the twin (twin.md §4.2): ``oom``, ``starved``, ``throughput_tok_s``, ``incoming_tok_s``,
+* labels and metrics of the twin (``twin.metrics``): ``oom``, ``starved``, ``throughput_tok_s``, ``incoming_tok_s``,
   ``throughput_ratio``, ``itl_mean_ms``, ``ttft_mean_ms``, ``ttft_penalised_mean_ms``, ... and
   ``incoming_expected_tok_s`` = ``sum_rate * (mean_input_tokens + mean_output_tokens)`` (analytic, every row);
 * how the row was obtained: ``obtained`` in {``full``, ``early_certain_starved``, ``early_likely_starved``,
@@ -25,7 +25,7 @@ extrapolated); ``adapter_starved`` every non-OOM row (starved rows: True); ``ada
 the stop (see ``lorapack.surrogate.dataset.LABEL_ROWS`` for what training uses).
 
 OOM rows (vLLM would refuse ``(A, S)`` at start-up) are written without simulating: ``starved`` is null and
-the metrics are NaN (throughput 0). Pruned rows (twin.md §7.5) carry ``starved = True`` and NaN for every
+the metrics are NaN (throughput 0). Pruned rows (docs/sweep.md, N-series pruning) carry ``starved = True`` and NaN for every
 measured metric (throughput, incoming, ITL, TTFT, counts): nothing was simulated for them, and throughput
 past the first starving N keeps falling with N, so any extrapolation would be a guess. Train regressors on
 rows with ``obtained != 'pruned'`` (or sweep with pruning off).
@@ -48,7 +48,7 @@ OBTAINED_FULL = "full"
 OBTAINED_PRUNED = "pruned"
 OBTAINED_OOM = "oom"
 STOP_REASONS = ("full", "certain_starved", "likely_starved", "healthy_converged")
-# a series is pruned after this many consecutive starving N points (the first + one more, twin.md §7.5)
+# a series is pruned after this many consecutive starving N points (the first + one more, docs/sweep.md, N-series pruning)
 PRUNE_AFTER_STARVING = 2
 
 NAN = float("nan")

@@ -1,4 +1,4 @@
-"""Early termination of a twin run (twin.md §7.4), for dataset generation and placement checks.
+"""Early termination of a twin run, for dataset generation and placement checks.
 
 The run advances in windows of ``window_s`` simulated seconds (the engine pauses between steps, so a
 paused run is the uninterrupted run). After each window the tests below look at the window series; each is
@@ -180,7 +180,7 @@ def adapter_labels_settled(res: EngineResult, req: RequestArrays, t_s: float, T:
 
     Worst case: every request still open at ``t_s`` (or arriving later) takes ``sojourn_margin`` times the
     slowest first-token time plus ``sojourn_margin`` times its own output length at the slowest per-token
-    pace seen so far. The label (twin.md §4.2: completed-token ratio < 0.9 with >= 20 requests, or a
+    pace seen so far. The label (``twin.metrics``: completed-token ratio < 0.9 with >= 20 requests, or a
     request open for more than 300 s) must be "not starved" for every adapter in that worst case; in the
     best case (everything done at once) it is "not starved" anyway. As in ``compute_metrics``, the ratio
     counts the requests sent ``ADAPTER_GRACE_S`` before the end."""

@@ -1,4 +1,4 @@
-"""Inter-token gaps as a log-binned histogram, for ITL percentiles without per-token times (twin.md §4.2).
+"""Inter-token gaps as a log-binned histogram, for ITL percentiles without per-token times (``twin.metrics``).
 
 The real benchmark's ITL statistics are over the flattened list of every gap between two streamed tokens of
 a request. The engines add each gap (``t_token - t_previous_token`` of the same request, so a gap spanning

@@ -1,4 +1,4 @@
-"""Metrics exactly as the real benchmark computes them (twin.md §4), from an ``EngineResult``.
+"""Metrics exactly as the real benchmark computes them, from an ``EngineResult``.
 
 * sent = requests arrived before the window end and not held back by the client cap at the end (see
   ``types.py``); completed = finished by ``duration_s``;
@@ -34,7 +34,7 @@ from .steptime import compute_ms
 from .types import EngineConfig, EngineResult, RequestArrays
 
 STARVATION_RATIO = 0.9
-# per-adapter label (twin.md §4.2 extension): the ratio test counts adapters with at least this many requests
+# per-adapter label (lorapack's extension of the benchmark's labels): the ratio test counts adapters with at least this many requests
 # sent ADAPTER_GRACE_S before the end; a request open longer than ADAPTER_MAX_WAIT_S starves its adapter
 ADAPTER_MIN_REQUESTS = 20
 ADAPTER_MAX_WAIT_S = 300.0
@@ -44,7 +44,7 @@ NAN = float("nan")
 
 @dataclass(frozen=True)
 class RunMetrics:
-    """Everything one twin run reports (twin.md §4). ``to_dict()`` gives the ``simulate --json`` keys.
+    """Everything one twin run reports. ``to_dict()`` gives the ``simulate --json`` keys.
 
     Metrics of a run whose server does not start (``oom``) are NaN, counts 0 and labels ``None``. Fields
     that only the high-level API knows (``server``, ``wall_s``, ``duration_s``, ``seed``, ``model``,
@@ -92,7 +92,7 @@ class RunMetrics:
     waiting_reqs_mean: float = NAN
     waiting_reqs_max: float = NAN
     kv_usage_mean_frac: float = NAN
-    # per-adapter starvation (twin.md §4.2 extension)
+    # per-adapter starvation (lorapack's extension of the benchmark's labels)
     n_adapters_starved: int = 0
     adapter_starved: bool | None = None
     starved_adapter_indices: tuple[int, ...] = ()  # registration order
@@ -179,7 +179,7 @@ def finishable_mask(req: RequestArrays, t_sent_s: np.ndarray, duration_s: float,
 def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_adapters: int,
                     adapter_min_requests: int = ADAPTER_MIN_REQUESTS, adapter_max_wait_s: float = ADAPTER_MAX_WAIT_S,
                     adapter_grace_s: float = ADAPTER_GRACE_S, cfg: EngineConfig | None = None) -> RunMetrics:
-    """Run-level metrics plus per-adapter starvation (twin.md §4.2 extension).
+    """Run-level metrics plus per-adapter starvation (lorapack's extension of the benchmark's labels).
 
     ``cfg`` (the run's engine configuration) lets the starvation labels count only what could have finished
     (``finishable_tok_s``); without it every sent request counts."""

@@ -1,7 +1,7 @@
 """The reference engine: a slow, literal transcription of ``docs/engine-semantics.md``.
 
 This module exists only to check the fast engine (``engine.simulate_fast``). It is written to be reviewed
-line by line against ``docs/engine-semantics.md`` and twin.md §2.2: plain Python lists, a
+line by line against ``docs/engine-semantics.md``: plain Python lists, a
 ``collections.deque`` for the waiting queue, sets for the adapter caches, loops over every request in
 every step. It is deliberately unoptimised; never use it for real simulations.
 
@@ -106,7 +106,7 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
                   record_steps: bool = False) -> tuple[EngineResult, ReferenceTrace]:
     """Run the literal reference engine; return the result and a ``ReferenceTrace``.
 
-    ``check_invariants`` asserts the invariants of twin.md §8.1 item 2 after every step;
+    ``check_invariants`` asserts the engine's invariants (those tests/test_engine_properties.py checks) after every step;
     ``record_steps`` keeps a ``StepRecord`` per step in ``trace.steps``.
     """
     _validate(cfg, req)

@@ -24,7 +24,7 @@ from .steptime import StepModel
 from .types import INT32_MAX, EngineConfig, EngineResult, RequestArrays
 
 DEFAULT_DURATION_S = 3600.0
-# twin.md §2.6: the real benchmark client plateaued at ~25.5k waiting requests
+# the real benchmark client plateaued at ~25.5k waiting requests (``client_cap``, docs/engine-semantics.md)
 REAL_CLIENT_CAP = 25_500
 
 
@@ -100,7 +100,7 @@ def warn_uncalibrated_ranks(profile: Profile, ranks: np.ndarray, slot_rank: int)
 
 def resolve_server(profile: Profile, ranks: np.ndarray, flags: ServerConfig) -> ResolvedServer:
     """Apply defaults and the version's rule set, check the flags against the adapters (vLLM's rules) and the
-    start-up rule (twin.md §3.4; from vLLM 0.32 also one ``max_model_len`` sequence in the KV cache minus one
+    start-up rule (``Profile.startup``; from vLLM 0.32 also one ``max_model_len`` sequence in the KV cache minus one
     block)."""
     n_adapters = len(ranks)
     if n_adapters == 0:

@@ -1,4 +1,4 @@
-"""Step duration of one engine step, from the profile's estimators (twin.md §3).
+"""Step duration of one engine step, from the profile's estimators (docs/calibration.md, the step-time model).
 
 ``StepModel`` holds the constants for one server (model x GPU x A x S x N_cpu); ``to_array`` packs them
 into a flat float64 vector that the compiled engine reads by index. ``step_ms`` is written in the numba

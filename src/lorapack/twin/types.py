@@ -171,7 +171,7 @@ class EngineConfig:
     # evicts the least recently used slot even when that adapter is in the batch but not walked yet (it is
     # activated again at its turn). ``adapter_order`` is that walk order, a permutation of the adapters (None:
     # a fixed pseudo-random one, as a set ordered by the hash of the adapter names is); ``lru_protects_batch``
-    # is the simpler policy of twin.md §2.5 (evict only adapters outside the batch, load in increasing index).
+    # is the simpler batch-protecting policy (evict only adapters outside the batch, load in increasing index).
     adapter_order: np.ndarray | None = None
     lru_protects_batch: bool = False
     # the max_loras rule of the waiting pass (``lorapack.server.VllmRules.admission``): "scheduled" = the
@@ -247,7 +247,7 @@ class EngineConfig:
         """Each adapter's position in the worker's walk over a batch (see ``adapter_order``)."""
         n = len(self.load_ms)
         if self.lru_protects_batch:
-            return np.arange(n, dtype=np.int64)  # twin.md §2.5: loads in increasing index
+            return np.arange(n, dtype=np.int64)  # the batch-protecting policy loads in increasing index
         if self.adapter_order is not None:
             return self.adapter_order
         return default_walk_order(n)

@@ -1,4 +1,4 @@
-"""Turn a ``Workload`` into the engine's ``RequestArrays`` (twin.md §5).
+"""Turn a ``Workload`` into the engine's ``RequestArrays`` (arrivals, adapters, and lengths from ``workload.lengths``).
 
 Common random numbers: adapter ``i`` draws its arrivals from ``default_rng([seed, i, STREAM_ARRIVALS])`` and
 its lengths from ``default_rng([seed, i, STREAM_LENGTHS])`` (and the unpredictable regime from

@@ -1,6 +1,6 @@
 """Request lengths (prompt tokens P, output tokens O): fixed, ShareGPT-like log-normal, or bootstrapped pairs.
 
-The log-normal fallback (twin.md §5): ``P = round(X)``, ``O = round(Y)`` with independent log-normals ``X``,
+The log-normal fallback: ``P = round(X)``, ``O = round(Y)`` with independent log-normals ``X``,
 ``Y``, kept only if ``P >= 4, O >= 4, P <= 1024, P + O <= 2048`` (the ShareGPT filter of the real runs). The
 four log-normal parameters are solved (scipy ``root``) so that the *post-filter* means are the targets and
 both post-filter CVs are ``cv``. The post-filter moments are computed exactly on the integer grid, so the
@@ -26,7 +26,7 @@ from ..errors import DataError, SpecError
 from ..spec import LengthsSpec
 from ..textfiles import iter_csv_rows
 
-# ShareGPT filter of the reference runs (twin.md §5)
+# ShareGPT filter of the reference runs
 MIN_TOKENS = 4
 MAX_INPUT_TOKENS = 1024
 MAX_TOTAL_TOKENS = 2048
