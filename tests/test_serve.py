@@ -249,3 +249,31 @@ def test_serve_plan_follows_routes_json(tmp_path) -> None:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _outward_address() -> str | None:
+    """This machine's address on its default route (not loopback), or None."""
+    import socket
+
+    candidates = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outgoing interface
+            candidates.append(s.getsockname()[0])
+        except OSError:
+            pass
+    try:
+        candidates.append(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        pass
+    return next((a for a in candidates if not a.startswith("127.") and a != "0.0.0.0"), None)
+
+
+def test_binds_to_loopback_by_default(server) -> None:
+    addr = _outward_address()
+    if addr is None:
+        pytest.skip("this machine has no address besides loopback to try")
+    port = int(server.rsplit(":", 1)[1])
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://{addr}:{port}/health", timeout=10)
