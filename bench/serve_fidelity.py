@@ -156,6 +156,8 @@ def run_design(name: str, n_adapters: int, rate: float, max_loras: int, max_cpu_
         "ttft_median_rel_err": float(np.median(ttft_err)) if len(ttft_err) else None,
         "ttft_p90_rel_err": float(np.percentile(ttft_err, 90)) if len(ttft_err) else None,
         "ttft_median_abs_err_ms": float(np.median(np.abs(client_ttft[done] - twin_ttft[done]))) * 1000,
+        "ttft_median_signed_err_ms": float(np.median(client_ttft[done] - twin_ttft[done])) * 1000,
+        "ttft_twin_median_ms": float(np.median(twin_ttft[done])) * 1000,
         "itl_median_rel_err": float(np.median(itl_err)) if len(itl_err) else None,
         "itl_p90_rel_err": float(np.percentile(itl_err, 90)) if len(itl_err) else None,
         "n_ttft": int(done.sum()), "n_itl": int(both_itl.sum()),
@@ -185,7 +187,8 @@ def main() -> None:
         results.append(r)
         print(f"{name}: {r['requests']} requests ({r['errors']} errors); TTFT median rel. error "
               f"{100 * r['ttft_median_rel_err']:.2f} % (p90 {100 * r['ttft_p90_rel_err']:.1f} %, median abs "
-              f"{r['ttft_median_abs_err_ms']:.1f} ms), ITL median rel. error {100 * r['itl_median_rel_err']:.2f} % "
+              f"{r['ttft_median_abs_err_ms']:.1f} ms, signed {r['ttft_median_signed_err_ms']:+.1f} ms, twin median "
+              f"{r['ttft_twin_median_ms']:.0f} ms), ITL median rel. error {100 * r['itl_median_rel_err']:.2f} % "
               f"(p90 {100 * r['itl_p90_rel_err']:.1f} %); starved: client {r['starved_client']} twin "
               f"{r['starved_twin']} ({'same' if r['same_starved'] else 'DIFFERENT'}); /metrics vs timeline: "
               f"running {r['metrics_running_mean_abs_diff']:.2f}, waiting {r['metrics_waiting_mean_abs_diff']:.2f} "

@@ -277,3 +277,20 @@ def test_binds_to_loopback_by_default(server) -> None:
     assert httpx.get(server + "/health", timeout=10).status_code == 200
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://{addr}:{port}/health", timeout=10)
+
+
+def test_runtime_adapter_room_is_reused_then_runs_out() -> None:
+    """Unloaded adapters' engine slots are reused once they have left the caches; past that, vLLM-style 507."""
+    from lorapack.profile import find_profile
+    from lorapack.server import ServerConfig
+    from lorapack.serve.twin import TwinServer, TwinServerError
+
+    twin = TwinServer(find_profile(LLAMA, "h100-64gb"), ServerConfig(max_loras=1, max_cpu_loras=1),
+                      [LoraModule("a", "/a")], runtime_adapters=2)
+    twin.load_adapter(LoraModule("b", "/b"))  # evicts a from the 1-slot CPU cache
+    twin.load_adapter(LoraModule("c", "/c"))  # evicts b
+    twin.unload_adapter("a")
+    d = twin.load_adapter(LoraModule("d", "/d"))  # a's slot: unloaded and out of the caches
+    assert d.index == 1
+    with pytest.raises(TwinServerError, match="no room for another adapter"):
+        twin.load_adapter(LoraModule("e", "/e"))

@@ -122,6 +122,7 @@ class TwinApp:
         self.app = Starlette(routes=routes, lifespan=self._lifespan)
         if self.options.api_key:
             self.app.add_middleware(_ApiKey, key=self.options.api_key)
+        self.app.add_middleware(_Received)  # outermost: the request's arrival is when its headers were read
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -263,7 +264,7 @@ class TwinApp:
             include_usage = bool(opts.get("include_usage", False)) if isinstance(opts, dict) else False
             twin.adapter_index(model)  # 404 before the length checks, as vLLM
             out_tokens = twin.check_lengths(prompt_tokens, max_tokens)
-            s = twin.submit(model, prompt_tokens, out_tokens)
+            s = twin.submit(model, prompt_tokens, out_tokens, request.scope.get(RECEIVED_KEY))
         except _BadRequest as exc:
             return error(str(exc), exc.status, exc.err_type)
         except TwinServerError as exc:
@@ -329,6 +330,22 @@ class TwinApp:
         finally:
             if not s.finished:  # the client went away mid-stream: vLLM aborts the request
                 self.twin.abort(s)
+
+
+RECEIVED_KEY = "lorapack.received"  # ASGI scope key: time.monotonic() when the app got the request
+
+
+class _Received:
+    """Stamp each HTTP request with the time the server began to receive it (before its body is read and
+    parsed): the twin's arrival time, as close as the server can see to when the client sent it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            scope[RECEIVED_KEY] = time.monotonic()
+        await self.app(scope, receive, send)
 
 
 class _ApiKey:

@@ -116,8 +116,9 @@ class RequestStream:
 class AdapterBook:
     """Served adapter names -> engine indices (see the module docstring)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, static: int) -> None:
         self.capacity = capacity  # engine adapters, the base model included
+        self.static = static  # the --lora-modules adapters
         self.by_name: dict[str, Adapter] = {}
         self.retired: list[int] = []  # indices of unloaded adapters (reused once they are idle)
         self.next_index = BASE_INDEX + 1
@@ -164,7 +165,7 @@ class TwinServer:
         self._slot_rank = slot
         self.engine = Engine.live(self.cfg, base_adapter=BASE_INDEX)
         self.engine.advance_to(0.0)  # compile (or load from the cache) now, not during the first request
-        self.adapters = AdapterBook(capacity)
+        self.adapters = AdapterBook(capacity, len(lora_modules))
         for m in lora_modules:
             self.load_adapter(m, at_start=True)
         self.streams: dict[int, RequestStream] = {}
@@ -229,8 +230,9 @@ class TwinServer:
                 del book.retired[j]
                 book.name_of_index.pop(index, None)
                 return index
-        raise TwinServerError(f"the twin server holds at most {book.capacity - 1} adapters over its life "
-                              f"(--lora-modules plus {RUNTIME_ADAPTERS} loaded at run time); restart it", status=507,
+        raise TwinServerError(f"the twin server has no room for another adapter: {book.capacity - 1} were registered "
+                              f"over its life (--lora-modules plus {book.capacity - book.static - 1} loaded at run "
+                              "time) and none unloaded has left the caches; restart it", status=507,
                               err_type="InsufficientStorage")
 
     def _into_cpu_cache(self, index: int, at_start: bool = False) -> None:
@@ -295,11 +297,15 @@ class TwinServer:
                                   f"{mml}.")
         return min(max_tokens, mml - prompt_tokens)
 
-    def submit(self, model: str, prompt_tokens: int, max_tokens: int) -> RequestStream:
-        """Add a checked request at the current twin time; its tokens come on the returned stream."""
+    def submit(self, model: str, prompt_tokens: int, max_tokens: int, received_wall: float | None = None
+               ) -> RequestStream:
+        """Add a checked request; its tokens come on the returned stream. It arrives at the twin time of
+        ``received_wall`` (``time.monotonic()`` when the server began to receive it; default now), or at the
+        latest step start if the engine has passed that time (a request cannot join a step already run)."""
         index = self.adapter_index(model)
         eng = self.engine
-        t = max(self.now_s(), eng.arrival_floor_s)
+        now = self.now_s() if received_wall is None else (received_wall - self._wall0) * self.time_scale
+        t = max(now, eng.arrival_floor_s)
         rid = eng.add_request(t, index, int(prompt_tokens), int(max_tokens))
         s = RequestStream(request_id=rid, model=model, prompt_tokens=int(prompt_tokens), max_tokens=int(max_tokens),
                           t_arr_s=t)
