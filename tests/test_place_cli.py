@@ -79,7 +79,7 @@ def test_place_writes_plan_serve_and_routes(tmp_path, monkeypatch, capsys) -> No
 
 @pytest.mark.parametrize("rows, match", [
     ("a,8,0.1,\na,16,0.1,\n", "duplicate id 'a'"),
-    ("a,600,0.1,\n", "rank 600"),
+    ("a,600,0.1,\n", ":2: rank: expected an integer rank 1 ... 512"),  # with its line (issue 26)
     ("a,0,0.1,\n", "rank"),
     ("a,8,0,\n", "rate_rps 0.0"),
     ("a,8,-1,\n", "rate_rps"),

@@ -177,7 +177,7 @@ YAML_ERRORS = [
     ("inf.yaml", "adapters:\n  - {count: 2, rank: 8, rate_rps: .inf}\n", 2, "finite number >= 0 (got inf)"),
     ("frac.yaml", "adapters:\n  - {adapter_id: a, rank: 8.5, rate_rps: 1}\n", 2, "rank: Input should be a valid integer"),
     ("strrank.yaml", "adapters:\n  - {adapter_id: a, rank: big, rate_rps: 1}\n", 2, "valid integer"),
-    ("zero.yaml", "adapters:\n  - {adapter_id: a, rank: 0, rate_rps: 1}\n", 2, "expected a positive integer"),
+    ("zero.yaml", "adapters:\n  - {adapter_id: a, rank: 0, rate_rps: 1}\n", 2, "expected an integer rank 1 ... 512"),
     ("bool.yaml", "adapters:\n  - {adapter_id: a, rank: true, rate_rps: 1}\n", 2, "boolean"),
     ("count0.yaml", "adapters:\n  - {count: 0, rank: 8, rate_rps: 1}\n", 2, "count: expected a positive integer"),
     ("empty.yaml", "adapters: []\n", 1, "expected at least one adapter"),
@@ -663,3 +663,24 @@ def test_generation_speed() -> None:
         best = min(best, time.perf_counter() - t0)
     assert abs(len(req) - 1.3e6) < 6000
     assert best < 1.0, f"generation took {best:.3f} s"
+
+
+# ---- issue 26 item 8: a rank vLLM cannot serve is a workload error with its file and line ---------------
+
+
+def test_rank_beyond_what_vllm_serves_names_the_line(tmp_path: Path) -> None:
+    from lorapack.server import RULE_SETS
+    from lorapack.spec import MAX_LORA_RANK
+    from lorapack.workload import load_workload
+
+    assert MAX_LORA_RANK == max(max(r.lora_ranks) for r in RULE_SETS)
+    yml = tmp_path / "w.yaml"
+    yml.write_text("adapters:\n  - {count: 2, rank: 8, rate_rps: 0.1}\n  - {count: 1, rank: 1000, rate_rps: 0.1}\n")
+    with pytest.raises(SpecError, match=r"w\.yaml:3: adapters\[1\]\.rank: expected an integer rank 1 \.\.\. 512"):
+        load_workload(yml)
+    csv = tmp_path / "w.csv"
+    csv.write_text("adapter_id,rank,rate_rps\na,8,0.1\nb,1000,0.1\n")
+    with pytest.raises(SpecError, match=r"w\.csv:3: rank: expected an integer rank 1 \.\.\. 512"):
+        load_workload(csv)
+    csv.write_text("adapter_id,rank,rate_rps\na,512,0.1\n")
+    assert load_workload(csv).adapters[0].rank == 512

@@ -69,6 +69,17 @@ def _positive_int(value: int) -> int:
     return value
 
 
+MAX_LORA_RANK = 512  # the largest --max-lora-rank any vLLM version accepts (server.RULE_SETS)
+
+
+def _rank(value: int) -> int:
+    """A LoRA rank vLLM can serve: an integer 1 ... 512 (checked here, so the error names the file and line)."""
+    if value < 1 or value > MAX_LORA_RANK:
+        raise ValueError(f"expected an integer rank 1 ... {MAX_LORA_RANK} (the largest --max-lora-rank vLLM "
+                         f"accepts is {MAX_LORA_RANK})")
+    return value
+
+
 def _rate(value: float) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError("expected a finite number >= 0")
@@ -119,7 +130,7 @@ class Adapter(FrozenModel):
 
     _id = field_validator("adapter_id", mode="before")(_identifier)
     _nb = field_validator("rank", "rate_rps", mode="before")(reject_bool)
-    _r = field_validator("rank")(_positive_int)
+    _r = field_validator("rank")(_rank)
     _rt = field_validator("rate_rps")(_rate)
 
     @field_validator("path", mode="before")
@@ -138,7 +149,8 @@ class AdapterGroup(FrozenModel):
     id_prefix: str = "adapter"
 
     _nb = field_validator("count", "rank", "rate_rps", mode="before")(reject_bool)
-    _c = field_validator("count", "rank")(_positive_int)
+    _c = field_validator("count")(_positive_int)
+    _r = field_validator("rank")(_rank)
     _rt = field_validator("rate_rps")(_rate)
     _id = field_validator("id_prefix", mode="before")(_identifier)
 
