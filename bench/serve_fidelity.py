@@ -165,6 +165,8 @@ def run_design(name: str, n_adapters: int, rate: float, max_loras: int, max_cpu_
         "same_starved": starved_client == starved_twin,
         "metrics_running_mean_abs_diff": float(np.mean(diffs_run)) if diffs_run else None,
         "metrics_waiting_mean_abs_diff": float(np.mean(diffs_wait)) if diffs_wait else None,
+        "metrics_running_mean": float(np.mean([x.running for x in got.samples if x.t_s < duration_s])),
+        "metrics_waiting_mean": float(np.mean([x.waiting for x in got.samples if x.t_s < duration_s])),
         "twin_running_mean": float(np.mean(tl["num_requests_running"])),
         "twin_waiting_mean": float(np.mean(tl["num_requests_waiting"])),
         "n_scrapes": len(diffs_run),
@@ -192,7 +194,8 @@ def main() -> None:
               f"(p90 {100 * r['itl_p90_rel_err']:.1f} %); starved: client {r['starved_client']} twin "
               f"{r['starved_twin']} ({'same' if r['same_starved'] else 'DIFFERENT'}); /metrics vs timeline: "
               f"running {r['metrics_running_mean_abs_diff']:.2f}, waiting {r['metrics_waiting_mean_abs_diff']:.2f} "
-              f"mean abs diff (twin means {r['twin_running_mean']:.1f} / {r['twin_waiting_mean']:.1f})", flush=True)
+              f"mean abs diff; time means scraped {r['metrics_running_mean']:.1f} / {r['metrics_waiting_mean']:.1f}, twin "
+              f"{r['twin_running_mean']:.1f} / {r['twin_waiting_mean']:.1f}", flush=True)
     out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()[0]},
            "designs": results}
     a.out.parent.mkdir(parents=True, exist_ok=True)
