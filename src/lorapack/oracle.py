@@ -262,7 +262,8 @@ class Prediction:
 
     ``starved`` is the probability of the run-level label (throughput < 0.9 × incoming; the twin gives the
     fraction of its seeds). ``adapter_starved`` and ``starved_adapters`` (indices into the candidate's
-    adapters) come from the twin's per-adapter check (twin.md §4.2); learned oracles leave them NaN / empty.
+    adapters) come from the twin's per-adapter check (``twin.metrics.compute_metrics``); learned oracles leave
+    them NaN / empty.
     A learned oracle sets ``in_range = False`` and names the offending feature in ``out_of_range`` when the
     candidate lies outside its training data. Metrics are NaN when the server does not start (``fits`` False).
     """
