@@ -152,7 +152,61 @@ def testbed_fidelity_figures() -> str:
            "\\|m\\|))\n\n" + "\n".join(rows)
 
 
+def serve_figures() -> str:
+    """docs/serve.md: a twin server under load, against simulate, vllm bench serve, and measure."""
+    rows = ["| what (target) | measured | bench file |", "|---|---|---|"]
+
+    def have(name: str) -> dict | None:
+        return _load(name) if (RESULTS / name).is_file() else None
+
+    if (d := have("serve_load.json")) is not None:
+        m = d["machine"]
+        load = f"load average {m.get('load_avg_start', 0):.1f}-{m.get('load_avg_end', 0):.1f} on {m['cpus']} cores"
+        if (r := d.get("stream")) is not None:
+            rows.append(f"| lag at {r['target_tokens_per_s']:,.0f} streamed tokens/s, `--time-scale 1`, client on the "
+                        f"same cores (p99 ≤ 50 ms) | {r['tokens_per_s_sent_window']:,.0f} tokens/s sent for "
+                        f"{r['send_window_s']:.0f} s, {r['errors']} errors; lag p50 {1000 * r['lag']['p50_s']:.1f} ms, "
+                        f"p99 {1000 * r['lag']['p99_s']:.1f} ms, max {1000 * r['lag']['max_s']:.1f} ms ({load}) "
+                        "| `serve_load.json` |")
+        if (r := d.get("concurrent")) is not None:
+            rows.append(f"| {r['streams']:,} concurrent streams (no error) | {r['errors']} errors, "
+                        f"{r['tokens']:,} tokens in {r['wall_s']:.0f} s; lag p99 {1000 * r['lag']['p99_s']:.0f} ms, "
+                        f"max {1000 * r['lag']['max_s']:.0f} ms | `serve_load.json` |")
+        if (r := d.get("replay")) is not None:
+            rows.append(f"| a healthy hour ({r['rate_rps']:g} req/s) at `--time-scale {r['time_scale']:g}` (≤ 4 min) | "
+                        f"{r['wall_s']:.0f} s wall, {r['requests']:,} requests, {r['errors']} errors; lag p99 "
+                        f"{1000 * r['lag']['p99_s']:.0f} ms | `serve_load.json` |")
+    if (d := have("serve_fidelity.json")) is not None:
+        for r in d["designs"]:
+            rows.append(f"| client vs `simulate`, {r['design']} ({r['adapters']} adapters, {r['rate_rps']:g} req/s, "
+                        f"`--max-loras {r['max_loras']}`, {r['duration_s']:.0f} s): median per-request error "
+                        f"(≤ 5 %), starved adapters (same) | TTFT {100 * r['ttft_median_rel_err']:.2f} % (median "
+                        f"{r['ttft_median_signed_err_ms']:+.1f} ms), ITL {100 * r['itl_median_rel_err']:.2f} %; "
+                        f"starved {'the same' if r['same_starved'] else 'different'} ({len(r['starved_twin'])}); "
+                        f"scraped running / waiting {r['metrics_running_mean']:.1f} / {r['metrics_waiting_mean']:.1f} "
+                        f"vs twin {r['twin_running_mean']:.1f} / {r['twin_waiting_mean']:.1f} | "
+                        "`serve_fidelity.json` |")
+    if (d := have("serve_vllm_bench.json")) is not None:
+        v = d["validate"]
+        rows.append(f"| `vllm bench serve` ({d['num_prompts']:,} prompts at {d['request_rate']:g} req/s) read back "
+                    f"by `validate` (throughput within 2 %) | throughput SMAPE {v['smape_throughput']:.2f} % (bias "
+                    f"{v['bias_throughput_pct']:+.2f} %), ITL {v['smape_itl']:.2f} %, TTFT {v['smape_ttft']:.1f} % | "
+                    "`serve_vllm_bench.json` |")
+    if (d := have("serve_measure.json")) is not None:
+        grid = d.get("startup_grid_agreement")
+        rows.append(f"| `measure --budget-min {d['budget_min']:g}` of a twin server, held-back predictions vs the "
+                    f"shipped profile's (throughput within 3 %, same starvation labels) | {d['measure_wall_s'] / 60:.1f} "
+                    f"min; throughput SMAPE {d['smape_throughput']:.2f} % over {d['n_runs']} runs (max "
+                    f"{100 * d['max_throughput_rel_err']:.1f} %), same label {100 * d['same_starved']:.1f} %"
+                    + (f"; start-up grid {100 * grid:.0f} % as the profile's memory rule" if grid is not None else "")
+                    + " | `serve_measure.json` |")
+    if len(rows) == 2:
+        return "Not measured yet."
+    return "\n".join(rows)
+
+
 BLOCKS: dict[str, tuple[str, Callable[[], str]]] = {
+    "serve": ("docs/serve.md", serve_figures),
     "testbed-fidelity": ("docs/profile-your-gpu.md", testbed_fidelity_figures),
     "placement-speed": ("docs/placement.md", placement_speed_figures),
     "placement-speed-readme": ("README.md", placement_readme_figures),
