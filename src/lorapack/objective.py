@@ -64,7 +64,7 @@ class Objective:
         "help": "Mean time to first token per GPU, seconds (latency objective default: 2)."})
     max_itl_ms: float | None = _limit("Mean inter-token latency, ms.")
     max_ttft_p99_s: float | None = _limit("p99 TTFT, seconds.")
-    max_itl_p99_ms: float | None = _limit("p99 over requests of the mean inter-token gap, ms.")
+    max_itl_p99_ms: float | None = _limit("p99 of every inter-token gap, ms.")
 
     def __post_init__(self) -> None:
         for name in self.keys():
