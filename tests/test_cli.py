@@ -480,3 +480,16 @@ def test_a_dead_worker_is_one_line_not_a_traceback(monkeypatch, capsys) -> None:
     monkeypatch.setattr(lorapack.twin.run, "simulate", killed)
     code, out, err = run_main(monkeypatch, capsys, "simulate", DEMO, "-m", LLAMA, "-a", "8", "--duration-s", "20")
     assert code == 1 and err.count("\n") == 1 and "a worker process died abruptly" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["simulate", "-a", "2"], ["place", "--method", "proposed-exact"]])
+def test_a_warning_is_printed_once_per_command(command: list[str], tmp_path: Path) -> None:
+    """The rank warning comes from every twin run and oracle call (several modules): one line (issue 26).
+    A fresh process: in this one, warnings' per-module registries remember earlier tests."""
+    wl = tmp_path / "w.csv"
+    wl.write_text("adapter_id,rank,rate_rps\na,64,0.1\nb,8,0.2\nc,16,0.1\n")
+    p = subprocess.run([sys.executable, "-m", "lorapack.cli", command[0], str(wl), "-m", "llama-3.1-8b-instruct",
+                        *command[1:], *(["--out", str(tmp_path / "plan")] if command[0] == "place" else [])],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("rank(s) 64 lie outside") == 1, p.stderr

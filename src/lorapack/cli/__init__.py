@@ -67,10 +67,15 @@ app.command("serve", short_help=" ".join((serve.serve.__doc__ or "").strip().spl
 def _show_warnings() -> None:
     """lorapack's warnings as one ``warning:`` line each on stderr (each distinct message once); others as usual."""
     plain = warnings.showwarning
+    shown: set[str] = set()  # the "once" filter is kept per calling module (and reset when filters change)
 
     def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings' signature
         if issubclass(category, LorapackWarning):
-            err_console.print(f"[yellow]warning:[/yellow] {escape(str(message))}", highlight=False, soft_wrap=True)
+            text = str(message)
+            if text in shown:  # the same warning from another caller (e.g. every twin run of a plan): once
+                return
+            shown.add(text)
+            err_console.print(f"[yellow]warning:[/yellow] {escape(text)}", highlight=False, soft_wrap=True)
         else:
             plain(message, category, filename, lineno, file, line)
 
