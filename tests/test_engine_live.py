@@ -217,7 +217,7 @@ def test_base_model_requests_use_no_adapter() -> None:
     has max_loras adapters; alone, their steps cost the base model's time only."""
     cfg = _config(n_adapters=4)  # max_loras 2; adapter 0 stands for the base model
     eng = Engine.live(cfg, base_adapter=0)
-    for k in range(3):
+    for _ in range(3):
         eng.add_request(0.0, 0, 30, 20)
     eng.advance_to(0.001)
     assert int(eng.counters["n_gpu_loads"]) == 0 and int(eng.counters["n_active_adapters"]) == 0

@@ -228,12 +228,14 @@ def test_serve_plan_follows_routes_json(tmp_path) -> None:
         for adapter, targets in routes.items():
             for target in targets:
                 url = target["url"].removesuffix("/v1")
-                for _ in range(600):
+                deadline = time.monotonic() + 300
+                while True:
                     try:
-                        models = httpx.get(url + "/v1/models", timeout=2).json()
+                        models = httpx.get(url + "/v1/models", timeout=5).json()
                         break
                     except httpx.HTTPError:
-                        time.sleep(0.2)
+                        assert time.monotonic() < deadline, f"{url} did not start"
+                        time.sleep(0.3)
                 ids = [m["id"] for m in models["data"]]
                 assert adapter in ids
                 assert ids[1:] == plan["gpus"][target["gpu"]]["adapters"]
@@ -241,7 +243,7 @@ def test_serve_plan_follows_routes_json(tmp_path) -> None:
                                timeout=60)
                 assert r.status_code == 200
         os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        assert proc.wait(timeout=120) == 130
         assert proc.stderr.read().strip().splitlines()[-1] == "interrupted"
         for targets in routes.values():
             with pytest.raises(httpx.HTTPError):
@@ -282,8 +284,8 @@ def test_binds_to_loopback_by_default(server) -> None:
 def test_runtime_adapter_room_is_reused_then_runs_out() -> None:
     """Unloaded adapters' engine slots are reused once they have left the caches; past that, vLLM-style 507."""
     from lorapack.profile import find_profile
-    from lorapack.server import ServerConfig
     from lorapack.serve.twin import TwinServer, TwinServerError
+    from lorapack.server import ServerConfig
 
     twin = TwinServer(find_profile(LLAMA, "h100-64gb"), ServerConfig(max_loras=1, max_cpu_loras=1),
                       [LoraModule("a", "/a")], runtime_adapters=2)
