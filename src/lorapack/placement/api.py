@@ -311,7 +311,7 @@ def build_plan(method: str, inst: Instance, profile: Profile, fills: list[GpuFil
             predicted=None if v is not None and f.prediction is v.prediction else _metrics(
                 f.prediction, inst, f.entries, tested_adapters=f.extra.get("tested_at")),
             verified=_metrics(v.prediction, inst, f.entries, v) if v is not None else None,
-            binding=binding))
+            binding=binding, ranks=[int(inst.ranks[e]) for e in f.entries]))
     return Plan(method=method, model=profile.model, gpu_type=profile.gpu, gpus=gpus)
 
 

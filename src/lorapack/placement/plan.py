@@ -64,10 +64,15 @@ class GpuPlan:
     predicted: GpuMetrics | None = None
     verified: GpuMetrics | None = None
     binding: str = "none"
+    # each adapter's LoRA rank (same order; empty in plans written before it was recorded): ``lorapack serve
+    # --plan`` registers the adapters with it
+    ranks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.weights) != len(self.adapters):
             raise ValueError("one weight per adapter")
+        if self.ranks and len(self.ranks) != len(self.adapters):
+            raise ValueError("one rank per adapter (or none)")
         if self.binding not in BINDING:
             raise ValueError(f"binding {self.binding!r}: expected one of {', '.join(BINDING)}")
         if not isinstance(self.server, ServerConfig):
