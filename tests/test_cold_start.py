@@ -103,3 +103,19 @@ def test_loading_a_lognormal_workload_twice_needs_no_scipy(tmp_path: Path) -> No
     kind, first = json.loads(_fresh(code, cache))
     assert kind == "lognormal" and first  # solved (and cached) here
     assert json.loads(_fresh(code, cache))[1] == []
+
+
+def test_console_process_exits_without_teardown_but_with_its_output_and_code(tmp_path: Path) -> None:
+    """``lorapack`` skips the interpreter's teardown (``cli._exit_now``): stdout still complete, codes kept."""
+    csv = tmp_path / "adapters.csv"
+    csv.write_text("adapter_id,rank,rate_rps\n" + "".join(f"a{i},8,0.05\n" for i in range(40)))
+    cmd = [sys.executable, "-m", "lorapack.cli"]
+    ok = subprocess.run([*cmd, "place", str(csv), "-m", "llama-3.1-8b-instruct", "--no-verify", "--json", "--out",
+                         str(tmp_path / "plan")], capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads(ok.stdout)["gpus_used"] >= 1 and (tmp_path / "plan" / "plan.json").is_file()
+    bad = subprocess.run([*cmd, "simulate", str(csv), "-m", "llama-3.1-8b-instruct", "-a", "0"], capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.splitlines()) == 1
+    helped = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=600)
+    assert helped.returncode == 0 and "place" in helped.stdout
