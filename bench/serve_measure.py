@@ -63,7 +63,16 @@ def main() -> None:
     ap.add_argument("--grid-max-lora-rank", default="8,16,32")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve_measure.json")
+    ap.add_argument("--only-grid", action="store_true", help="only the start-up grid, merged into --out")
     a = ap.parse_args()
+    if a.only_grid:
+        work = a.workdir or Path(tempfile.mkdtemp(prefix="lorapack-serve-measure-"))
+        work.mkdir(parents=True, exist_ok=True)
+        out = json.loads(a.out.read_text()) if a.out.is_file() else {}
+        out.update(startup_grid_figures(a, work))
+        a.out.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {a.out}")
+        return
 
     from lorapack.measure import proof as fd
     from lorapack.measure.runs import arrivals_for
@@ -147,33 +156,50 @@ def main() -> None:
           f"{100 * out['same_starved']:.1f} % ({out['n_starved_original']} starved), mean TTFT SMAPE "
           f"{out['smape_ttft']:.1f} %", flush=True)
 
-    # the memory rule: a start-up grid of twin servers
     if a.grid_max_loras:
-        gdir = work / "grid"
-        template = shlex.join([*_serve_words(), "--max-cpu-loras", "128"]) + " {flags}"
-        subprocess.run([*LORAPACK, "measure", "--launch", template, "--adapters", str(adapters_csv), "--out",
-                        str(gdir), "--budget-min", "2", "--grid-max-loras", a.grid_max_loras, "--grid-max-lora-rank",
-                        a.grid_max_lora_rank, "--runs", "1", "--fresh"], check=False)
-        import csv
-
-        grid = []
-        startup = gdir / "startup.csv"
-        for row in csv.DictReader(startup.open()) if startup.is_file() else []:
-            A, S = int(row["max_loras"]), int(row["max_lora_rank"])
-            starts, kv, _err = original.startup(A, S, None, kv_start="profile")
-            got = int(float(row["kv_cache_tokens"])) if row["kv_cache_tokens"] else None
-            grid.append({"max_loras": A, "max_lora_rank": S, "status": row["status"], "kv_measured": got,
-                         "kv_profile": int(kv) if starts else None, "starts_profile": bool(starts)})
-        out["startup_grid"] = grid
-        agree = [g for g in grid if (g["status"] == "ok") == g["starts_profile"]
-                 and (g["kv_measured"] == g["kv_profile"] or g["status"] != "ok")]
-        out["startup_grid_agreement"] = len(agree) / len(grid) if grid else None
-        print(f"start-up grid: {len(grid)} points, {len(agree)} agree with the profile's memory rule "
-              f"(KV tokens and start / refusal)", flush=True)
+        out.update(startup_grid_figures(a, work))
     out["machine"]["load_avg_end"] = os.getloadavg()[0]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {a.out}")
+
+
+def startup_grid_figures(a: argparse.Namespace, work: Path) -> dict:
+    """The memory rule: ``measure --launch`` starts a twin server per grid point (adapters of the smallest grid
+    rank only, so that every point is a question of memory); its KV tokens against the shipped profile's."""
+    import csv
+
+    from lorapack.measure import proof as fd
+    from lorapack.profile import find_profile
+
+    original = find_profile(MODEL, "h100-64gb")
+    low = min(int(r) for r in a.grid_max_lora_rank.split(","))
+    csv_path = work / "adapters-grid.csv"
+    names = [n for n, r, _ in fd.adapter_names() if r <= low]
+    csv_path.write_text("adapter_id,rank\n" + "".join(f"{n},{low}\n" for n in names))
+    modules = [json.dumps({"name": n, "path": f"/adapters/{n}", "rank": low}) for n in names]
+    gdir = work / "grid"
+    template = shlex.join([*LORAPACK, "serve", "--model", MODEL, "--enable-lora", "--max-cpu-loras", "128",
+                           "--lora-modules", *modules]) + " {flags}"
+    subprocess.run([*LORAPACK, "measure", "--launch", template, "--adapters", str(csv_path), "--out", str(gdir),
+                    "--budget-min", "2", "--grid-max-loras", a.grid_max_loras, "--grid-max-lora-rank",
+                    a.grid_max_lora_rank, "--runs", "1", "--fresh"], check=False)
+    grid = []
+    startup = gdir / "startup.csv"
+    for row in csv.DictReader(startup.open()) if startup.is_file() else []:
+        slots, rank = int(row["max_loras"]), int(row["max_lora_rank"])
+        starts, kv, err = original.startup(slots, rank, None, kv_start="profile")
+        got = int(float(row["kv_cache_tokens"])) if row["kv_cache_tokens"] else None
+        grid.append({"max_loras": slots, "max_lora_rank": rank, "status": row["status"],
+                     "error_type": row.get("error_type", ""), "kv_measured": got,
+                     "kv_profile": int(kv) if starts else None, "starts_profile": bool(starts),
+                     "error_type_profile": err or ""})
+    agree = [g for g in grid if (g["status"] == "ok") == g["starts_profile"]
+             and (g["kv_measured"] == g["kv_profile"] if g["status"] == "ok"
+                  else g["error_type"] == g["error_type_profile"])]
+    print(f"start-up grid: {len(grid)} points, {len(agree)} agree with the profile's memory rule (KV tokens, "
+          "start or the kind of refusal)", flush=True)
+    return {"startup_grid": grid, "startup_grid_agreement": len(agree) / len(grid) if grid else None}
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ def test_parse_lora_modules() -> None:
 @pytest.mark.parametrize("args, message", [
     (["--lora-modules", "a=/a"], "--lora-modules needs --enable-lora"),
     (["--enable-lora", "--max-lora-rank", "8", "--lora-modules", '{"name": "a", "path": "/a", "rank": 16}'],
-     "--max-lora-rank 8 is below the largest adapter rank 16"),
+     "LoRA rank 16 is greater than max_lora_rank 8"),
     (["--time-scale", "0"], "--time-scale 0"),
     (["--max-lora-rank", "12"], "--max-lora-rank 12"),
 ])

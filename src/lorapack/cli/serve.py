@@ -146,6 +146,19 @@ def serve(
         count = _load_tokenizer(tokenizer)
     app = TwinApp(twin, HttpOptions(api_key=api_key, max_body_bytes=max_body_bytes, tokenizer=count))
     srv = twin.srv
+    # vLLM's own start-up lines, which lorapack measure --log / --launch reads (measure.probe.read_log)
+    resolved = {"enable_lora": enable_lora, "max_loras": srv.max_loras, "max_lora_rank": srv.max_lora_rank,
+                "max_cpu_loras": srv.max_cpu_loras, "max_num_seqs": srv.max_num_seqs,
+                "max_num_batched_tokens": srv.max_num_batched_tokens, "max_model_len": srv.max_model_len,
+                "gpu_memory_utilization": srv.gpu_memory_utilization,
+                "enable_prefix_caching": srv.enable_prefix_caching}
+    err_console.print(f"INFO lorapack serve: non-default args: {resolved!r}", highlight=False, soft_wrap=True,
+                      markup=False)
+    err_console.print(f"INFO lorapack serve: Initializing a V1 LLM engine (v{srv.vllm_version}) with config: "
+                      f"device_config=twin-of-{prof.gpu}, tensor_parallel_size={prof.tensor_parallel_size}",
+                      highlight=False, soft_wrap=True, markup=False)
+    err_console.print(f"INFO lorapack serve: GPU KV cache size: {srv.kv_cache_tokens:,} tokens", highlight=False,
+                      soft_wrap=True, markup=False)
     err_console.print(f"lorapack serve: the twin of {prof.model} on {prof.gpu} (vLLM {srv.rules.name} rules), "
                       f"{len(modules)} adapter(s), --max-loras {srv.max_loras} --max-lora-rank {srv.max_lora_rank}, "
                       f"KV cache {srv.kv_cache_tokens:,} tokens; http://{host}:{port} (time scale {time_scale:g})",

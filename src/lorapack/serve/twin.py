@@ -148,6 +148,10 @@ class TwinServer:
         # vLLM's defaults, not the twin's workload-derived ones: --max-cpu-loras = --max-loras
         flags = flags.replace(max_lora_rank=slot_rank, max_cpu_loras=flags.max_cpu_loras or flags.max_loras,
                               warm_start=False, client_cap=0)
+        for m in lora_modules:  # vLLM loads the --lora-modules at start-up and refuses one above the slot rank
+            if (m.rank or slot_rank) > slot_rank:
+                raise SpecError(f"LoRA rank {m.rank} is greater than max_lora_rank {slot_rank}. (--lora-modules "
+                                f"{m.name}; expected --max-lora-rank >= {m.rank})")
         ranks = np.array([m.rank or slot_rank for m in lora_modules] or [slot_rank], dtype=np.int64)
         srv = resolve_server(profile, ranks, flags)
         if not srv.starts:
