@@ -24,7 +24,7 @@ EXAMPLES = HERE.parent / "src" / "lorapack" / "examples"
 READY_TIMEOUT_S = 300.0  # cold numba cache and a loaded machine: the command may take long to get busy
 EXIT_TIMEOUT_S = 60.0
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and process groups")
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="POSIX signals, Linux /proc (children)")
 
 
 def _children(pid: int) -> list[int]:
