@@ -117,6 +117,18 @@ def placement_readme_figures() -> str:
             f"{d.get('loadavg_start', [float('nan')])[0]:.0f} on {d['cpus']} cores; table in `docs/placement.md`).")
 
 
+def cli_latency_figures() -> str:
+    """README.md: a cold ``lorapack place`` of 1,280 adapters (bench/cli_latency.py)."""
+    d = _load("cli_latency.json")
+    m, t = d["median"], d["targets"]
+    load = d.get("loadavg_start", [float("nan")])[0]
+    return (f"`python bench/cli_latency.py` times a cold `lorapack place` of 1,280 adapters with `--no-verify` (median "
+            f"of {d['reps']} fresh processes, numba cache warm): {m['wall_s']:.2f} s wall (target {t['wall_s']:g} s "
+            f"on 2 idle cores), `placement_ms` {m['placement_ms']:.1f} (target {t['placement_ms']:g}), loading the "
+            f"learned model (`load_ms`) {m['load_ms']:.0f} ms; `import lorapack.cli` alone {m['import_cli_s']:.2f} s "
+            f"({_day(d)}, load average {load:.1f} on {d['cpus']} cores{'' if d.get('idle') else ', not idle'}).")
+
+
 def testbed_fidelity_figures() -> str:
     """docs/profile-your-gpu.md: measure -> calibrate -> predict on the testbed."""
     name = "testbed_fidelity.json"
@@ -210,6 +222,7 @@ BLOCKS: dict[str, tuple[str, Callable[[], str]]] = {
     "testbed-fidelity": ("docs/profile-your-gpu.md", testbed_fidelity_figures),
     "placement-speed": ("docs/placement.md", placement_speed_figures),
     "placement-speed-readme": ("README.md", placement_readme_figures),
+    "cli-latency": ("README.md", cli_latency_figures),
     "sweep": ("docs/sweep.md", sweep_figures),
     "twin-speed": ("README.md", twin_speed_figures),
 }
