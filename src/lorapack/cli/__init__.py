@@ -117,11 +117,13 @@ def _exit_now(code: object) -> None:
     """End the process as ``sys.exit(code)`` would, without the interpreter's teardown: after numba has run,
     freeing its compiled code and the rest of ~1,200 modules takes 0.3-0.4 s (a third of a cold ``lorapack
     place``), for nothing the command needs. The exit handlers still run (worker pools stopped, logging
-    flushed) and the standard streams are flushed; any other thread still running gets the normal exit."""
+    flushed) and the standard streams are flushed; if a thread is still running after them, the normal exit
+    (which waits for it) follows instead."""
     import atexit
     import threading
 
-    if threading.active_count() > 1:
+    atexit._run_exitfuncs()  # (they may run again in the normal exit: lorapack's are idempotent)
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
     if code is None:
         status = 0
@@ -130,15 +132,12 @@ def _exit_now(code: object) -> None:
     else:  # sys.exit("message"): printed, status 1
         sys.stderr.write(f"{code}\n")
         status = 1
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # a closed pipe or stream
-                pass
-        os._exit(status)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream
+            pass
+    os._exit(status)
 
 
 def main() -> None:
