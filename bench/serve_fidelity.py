@@ -1,8 +1,8 @@
 """A twin server against ``lorapack simulate`` on the same arrivals (issue "Serve", acceptance 2).
 
-For each design (16 adapters of ranks 8/16 on llama-3.1-8b-instruct's shipped profile; a healthy and a
-starving one), a ``lorapack serve`` at ``--time-scale 1`` receives Poisson arrivals from a streaming client
-(``lorapack.testbed.replay``: aiohttp, one request per arrival, its send time, first chunk and every gap
+For each design (16 adapters of ranks 8/16 on llama-3.1-8b-instruct's shipped profile, Zipf rates: one slot
+per adapter; a tail that starves behind 4 slots; an overload on 2 slots), a ``lorapack serve`` at
+``--time-scale 1`` receives Poisson arrivals from a streaming client (``lorapack.testbed.replay``: aiohttp, one request per arrival, its send time, first chunk and every gap
 recorded), and the twin simulates the same arrivals at the times they were sent (``twin_replay``). Scores:
 
 * per request, the TTFT the client saw against the twin's (frontend share included), and the mean
@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 MODEL = "llama-3.1-8b-instruct"
 
 # name, adapters, total rate (req/s), --max-loras, --max-cpu-loras
-DESIGNS = [("healthy", 16, 4.0, 4, 8), ("starving", 16, 14.0, 2, 8)]
+DESIGNS = [("all-slots", 16, 4.0, 16, 16), ("zipf-tail-starves", 16, 4.0, 4, 8), ("overload", 16, 14.0, 2, 8)]
 
 
 def _free_port() -> int:

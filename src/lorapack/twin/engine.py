@@ -54,6 +54,11 @@ it fast:
   counting (``_nrt=False``): reading an array out of a container then costs what reading a local does;
 * ``compiled=False`` runs the step loop as plain Python (the phases it calls stay compiled).
 
+A live engine (``Engine.live``: ``lorapack serve``) runs the same loop on arrivals added while it runs
+(``add_request``), drops finished requests from its arrays once they are drained, and can abort a request
+between two steps; for the same arrivals its per-request results are those of the batch run, bit for bit
+(docs/engine-semantics.md, "Live runs").
+
 Compiled machine code is cached in a user cache directory keyed by the hash of this file, ``steptime.py`` and
 ``gaps.py`` (numba does not notice changes of code it inlined from another file); nothing is written into the
 package.
@@ -906,6 +911,8 @@ class Engine:
 
     ``run(cfg, req)`` (= ``simulate_fast``) is ``Engine(cfg, req).advance_to(inf).result()``. Pausing never
     changes the outcome: a pause happens between two steps, exactly where the uninterrupted loop would be.
+    ``Engine.live(cfg)`` is a server's engine: requests are added as they come (``add_request``) and their
+    results drained as they finish (``outputs``, ``drain_finished``, ``abort``).
     """
 
     def __init__(self, cfg: EngineConfig, req: RequestArrays, compiled: bool = True,
