@@ -144,8 +144,9 @@ _IN_WORKER = {"on": False}  # this process is a local worker (``_worker_init`` r
 def _stop_nested(signum: int, frame: object) -> None:
     """SIGTERM to a worker that started workers of its own (``evaluate --jobs``): stop them the same way and
     release this process's multiprocessing resources as a normal exit would (else the resource tracker warns
-    of leaked semaphores), then exit at once."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    of leaked semaphores), then exit at once. Further SIGTERMs are ignored meanwhile: the caller's pool sends
+    one more to every worker when it sees the first one gone, and it must not cut this cleanup short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         stop_all_workers()
         from multiprocessing import util
@@ -271,7 +272,9 @@ class Executor:
             if terminate:
                 _terminate_workers(pool)
             _unblock_broken_pool(pool)
-            pool.shutdown(wait=True, cancel_futures=True)
+            # after terminating, no cancelling: the pool fails its pending futures itself, and CPython 3.11's
+            # crashes on one already cancelled (InvalidStateError in its manager thread), however late
+            pool.shutdown(wait=True, cancel_futures=not terminate)
         if self._own_session and self._session is not None:
             self._session.stop()
             self._session, self._own_session = None, False
