@@ -1,4 +1,4 @@
-"""The fast engine: one vLLM V1 server, step by step, on flat arrays (twin.md §7).
+"""The fast engine: one vLLM V1 server, step by step, on flat arrays (exact semantics: docs/engine-semantics.md).
 
 One engine step reads like vLLM's ``Scheduler.schedule()`` followed by the model run and
 ``Scheduler.update_from_output()``. Each phase is a short function (numba inlines them into the loop):
@@ -49,7 +49,8 @@ it fast:
   of the FIFOs, so vLLM's scan "skip requests of adapters that would exceed max_loras, admit the others in
   order" becomes "take the minimum head key" over all adapters (while fewer than ``max_loras`` adapters are
   in the batch) or over the adapters with running requests (once ``max_loras`` are). Two tournament trees
-  answer that minimum in O(1) and are updated in O(log N): no O(W) scan per step (twin.md pitfall 14);
+  answer that minimum in O(1) and are updated in O(log N): no O(W) scan per step (a long queue would cost
+  quadratic time);
 * the phases are inlined into one compiled loop that allocates nothing and runs without numba's reference
   counting (``_nrt=False``): reading an array out of a container then costs what reading a local does;
 * ``compiled=False`` runs the step loop as plain Python (the phases it calls stay compiled).
