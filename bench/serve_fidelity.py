@@ -24,12 +24,6 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,37 +36,15 @@ MODEL = "llama-3.1-8b-instruct"
 DESIGNS = [("all-slots", 16, 4.0, 16, 16), ("zipf-tail-starves", 16, 4.0, 4, 8), ("overload", 16, 14.0, 2, 8)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def server(adapters: list[str], ranks: list[int], max_loras: int, max_cpu_loras: int):
-    port = _free_port()
+    from lorapack.serve.launch import twin_process
+
     modules = [json.dumps({"name": a, "path": f"/adapters/{a}", "rank": r}) for a, r in zip(adapters, ranks, strict=True)]
-    argv = [sys.executable, "-m", "lorapack.cli", "serve", "--model", MODEL, "--enable-lora", "--max-loras",
-            str(max_loras), "--max-lora-rank", "16", "--max-cpu-loras", str(max_cpu_loras), "--port", str(port),
-            "--lora-modules", *modules]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.2)
-        else:
-            raise RuntimeError("lorapack serve did not start")
+    flags = ["--model", MODEL, "--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", "16",
+             "--max-cpu-loras", str(max_cpu_loras), "--lora-modules", *modules]
+    with twin_process(flags) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _arrivals(n_adapters: int, rate_rps: float, duration_s: float, seed: int):

@@ -25,10 +25,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,39 +37,16 @@ MODEL = "llama-3.1-8b-instruct"
 N_ADAPTERS = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def server(time_scale: float, max_connections: int = 4096):
-    port = _free_port()
+    from lorapack.serve.launch import twin_process
+
     modules = [json.dumps({"name": f"a{k:02d}", "path": f"/adapters/a{k:02d}", "rank": 8 if k % 2 else 16})
                for k in range(N_ADAPTERS)]
-    argv = [sys.executable, "-m", "lorapack.cli", "serve", "--model", MODEL, "--enable-lora", "--max-loras", "8",
-            "--max-lora-rank", "16", "--max-cpu-loras", "16", "--port", str(port), "--time-scale", str(time_scale),
-            "--max-connections", str(max_connections), "--lora-modules", *modules]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                import urllib.request
-                urllib.request.urlopen(url + "/health", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.2)
-        else:
-            raise RuntimeError("lorapack serve did not start")
+    flags = ["--model", MODEL, "--enable-lora", "--max-loras", "8", "--max-lora-rank", "16", "--max-cpu-loras", "16",
+             "--time-scale", str(time_scale), "--max-connections", str(max_connections), "--lora-modules", *modules]
+    with twin_process(flags) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 async def _version(session: aiohttp.ClientSession, url: str) -> dict:

@@ -25,8 +25,6 @@ import json
 import os
 import platform
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,17 +39,12 @@ MODEL = "llama-3.1-8b-instruct"
 LORAPACK = [sys.executable, "-m", "lorapack.cli"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve_words() -> list[str]:
+def _serve_flags() -> list[str]:
+    """The twin server's model and adapters (the testbed proof's 16, ranks in the JSON form)."""
     from lorapack.measure import proof as fd
 
     modules = [json.dumps({"name": n, "path": f"/adapters/{n}", "rank": r}) for n, r, _ in fd.adapter_names()]
-    return [*LORAPACK, "serve", "--model", MODEL, "--enable-lora", "--lora-modules", *modules]
+    return ["--model", MODEL, "--enable-lora", "--lora-modules", *modules]
 
 
 def main() -> None:
@@ -78,27 +71,18 @@ def main() -> None:
     from lorapack.measure.runs import arrivals_for
     from lorapack.profile import find_profile, load_profile_file
     from lorapack.realruns import smape
+    from lorapack.serve.launch import twin_process
 
     work = a.workdir or Path(tempfile.mkdtemp(prefix="lorapack-serve-measure-"))
     work.mkdir(parents=True, exist_ok=True)
     adapters_csv = fd.write_adapters_csv(work / "adapters.csv")
     original = find_profile(MODEL, "h100-64gb")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     flags = list(fd.SERVER_FLAGS)
-    proc = subprocess.Popen([*_serve_words(), *flags, "--port", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
     out: dict = {"date": time.strftime("%Y-%m-%d"), "machine": {"cpus": os.cpu_count(),
                                                                  "python": platform.python_version(),
                                                                  "load_avg_start": os.getloadavg()[0]},
                  "server_flags": flags, "budget_min": a.budget_min}
-    try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.2)
+    with twin_process([*_serve_flags(), *flags]) as url:
         mdir = work / "measurement"
         t0 = time.monotonic()
         subprocess.run([*LORAPACK, "measure", "--url", url, "--adapters", str(adapters_csv), "--out", str(mdir),
@@ -106,9 +90,6 @@ def main() -> None:
         out["measure_wall_s"] = time.monotonic() - t0
         with urllib.request.urlopen(url + "/version", timeout=10) as r:
             out["twin_lag_during_measure"] = json.loads(r.read())["twin_lag"]
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
     prof_path = work / "measured.yaml"
     subprocess.run([*LORAPACK, "calibrate", "--profiling", str(mdir), "--runs", str(mdir / "runs.csv"), "--out",
                     str(prof_path), "--workers", "1"], check=True)

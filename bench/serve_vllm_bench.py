@@ -26,8 +26,6 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,12 +35,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODEL = "llama-3.1-8b-instruct"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -57,56 +49,45 @@ def main() -> None:
                     "takes that noise out")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve_vllm_bench.json")
     a = ap.parse_args()
+    from lorapack.serve.launch import twin_process
     from lorapack.testbed.env import find_testbed
 
     tb = find_testbed()
     if tb is None:
         sys.exit("the testbed is not installed: make testbed")
     model_dir = str(tb.model_dir)
-    port = _free_port()
     names = [f"a{k}" for k in range(4)]
-    serve = [sys.executable, "-m", "lorapack.cli", "serve", "--model", MODEL, "--served-model-name", model_dir,
-             "--tokenizer", model_dir, "--enable-lora", "--max-loras", "4", "--max-lora-rank", "16", "--port", str(port),
-             "--lora-modules", *[f"{n}=/adapters/{n}" for n in names]]
-    proc = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.2)
-        with tempfile.TemporaryDirectory() as tmp:
-            result = Path(tmp) / "bench.json"
-            cmd = [str(tb.vllm), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", model_dir,
-                   "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
-                   str(a.output_len), "--num-prompts", str(a.num_prompts), "--request-rate", str(a.request_rate),
-                   "--seed", str(a.seed), "--lora-modules", *names, "--save-result", "--save-detailed",
-                   "--result-dir", tmp, "--result-filename", result.name, "--metadata", "max_loras=4",
-                   "max_lora_rank=16", f"model={MODEL}", "lora_ranks=16:4"]
-            t0 = time.monotonic()
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                                 env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
-            wall = time.monotonic() - t0
-            if run.returncode != 0:
-                sys.exit(f"vllm bench serve failed: {run.stderr[-1500:]}")
-            bench = json.loads(result.read_text())
-            val = subprocess.run([sys.executable, "-m", "lorapack.cli", "validate", str(result), "--lengths", "fixed",
-                                  "--seeds", str(a.validate_seeds), "--workers", "2", "--json"], capture_output=True, text=True, timeout=1200)
-            if val.returncode != 0:
-                sys.exit(f"lorapack validate failed: {val.stderr[-1500:]}")
-            scores = json.loads(val.stdout)["models"][MODEL]
+    flags = ["--model", MODEL, "--served-model-name", model_dir, "--tokenizer", model_dir, "--enable-lora",
+             "--max-loras", "4", "--max-lora-rank", "16", "--lora-modules", *[f"{n}=/adapters/{n}" for n in names]]
+    with twin_process(flags) as url, tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "bench.json"
+        cmd = [str(tb.vllm), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", model_dir,
+               "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
+               str(a.output_len), "--num-prompts", str(a.num_prompts), "--request-rate", str(a.request_rate),
+               "--seed", str(a.seed), "--lora-modules", *names, "--save-result", "--save-detailed",
+               "--result-dir", tmp, "--result-filename", result.name, "--metadata", "max_loras=4",
+               "max_lora_rank=16", f"model={MODEL}", "lora_ranks=16:4"]
+        t0 = time.monotonic()
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+        wall = time.monotonic() - t0
+        if run.returncode != 0:
+            sys.exit(f"vllm bench serve failed: {run.stderr[-1500:]}")
+        bench = json.loads(result.read_text())
+        val = subprocess.run([sys.executable, "-m", "lorapack.cli", "validate", str(result), "--lengths", "fixed",
+                              "--seeds", str(a.validate_seeds), "--workers", "2", "--json"], capture_output=True,
+                             text=True, timeout=1200)
+        if val.returncode != 0:
+            sys.exit(f"lorapack validate failed: {val.stderr[-1500:]}")
+        scores = json.loads(val.stdout)["models"][MODEL]
         with urllib.request.urlopen(url + "/version", timeout=10) as r:
             lag = json.loads(r.read())["twin_lag"]
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
     keep = ("completed", "failed", "duration", "total_token_throughput", "output_throughput", "mean_ttft_ms",
             "median_ttft_ms", "mean_itl_ms", "mean_tpot_ms")
     out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()[0]},
            "num_prompts": a.num_prompts, "request_rate": a.request_rate, "input_len": a.input_len,
-           "output_len": a.output_len, "validate_seeds": a.validate_seeds, "bench_wall_s": wall, "bench": {k: bench.get(k) for k in keep},
+           "output_len": a.output_len, "validate_seeds": a.validate_seeds, "bench_wall_s": wall,
+           "bench": {k: bench.get(k) for k in keep},
            "validate": {k: scores.get(k) for k in ("smape_throughput", "bias_throughput_pct", "smape_ttft",
                                                    "bias_ttft_pct", "smape_itl", "bias_itl_pct",
                                                    "starved_agreement")},

@@ -7,12 +7,15 @@ rank from the adapter's files; the twin never opens them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..errors import SpecError
@@ -45,6 +48,48 @@ def parse_lora_modules(values: list[str]) -> list[LoraModule]:
                                 f"{{\"name\": ..., \"path\": ...}}")
             out.append(LoraModule(name=name, path=path))
     return out
+
+
+@contextlib.contextmanager
+def twin_process(flags: Sequence[str], log: Path | None = None, env: dict[str, str] | None = None,
+                 start_timeout_s: float = 120.0) -> Iterator[str]:
+    """A ``lorapack serve FLAGS`` process on a free loopback port (benches, tests): yields its base URL once
+    ``/health`` answers, and stops it with its whole process group (SIGTERM, then SIGKILL) however the block
+    ends. Output goes to ``log`` (else nowhere); a server that exits or does not answer in time is a
+    ``RuntimeError`` naming the log."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "lorapack.cli", "serve", "--port", str(port), *flags], stdout=out,
+                            stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"lorapack serve exited with {proc.returncode} before it answered (log: {log})")
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"lorapack serve did not answer /health within {start_timeout_s:.0f} s (log: {log})")
+            time.sleep(0.2)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if log is not None:
+            out.close()
 
 
 def run_server(app, host: str, port: int, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
