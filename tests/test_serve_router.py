@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lorapack.testbed.server import guarded, stop_tree
 from lorapack.twin.jitcache import cache_root
 from serve_helpers import LLAMA, free_port
 
@@ -53,16 +53,6 @@ def _ports_free(base: int, n: int) -> bool:
     return True
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def test_vllm_router_routes_by_adapter_to_the_plans_gpus(tmp_path: Path) -> None:
     router = _router()
     examples = Path(__file__).resolve().parents[1] / "src" / "lorapack" / "examples"
@@ -75,13 +65,11 @@ def test_vllm_router_routes_by_adapter_to_the_plans_gpus(tmp_path: Path) -> None
                         "--base-port", str(base)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     routes = json.loads((plan_dir / "routes.json").read_text())
-    servers = subprocess.Popen([sys.executable, "-m", "lorapack.cli", "serve", "--plan", str(plan_dir), "--base-port",
-                                str(base)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+    servers = guarded([sys.executable, "-m", "lorapack.cli", "serve", "--plan", str(plan_dir), "--base-port",
+                       str(base)])
     router_port = free_port()
-    proxy = subprocess.Popen([str(router), "--host", "127.0.0.1", "--port", str(router_port), "--enable-igw",
-                              "--policy", "round_robin"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+    proxy = guarded([str(router), "--host", "127.0.0.1", "--port", str(router_port), "--enable-igw", "--policy",
+                     "round_robin"])
     front = f"http://127.0.0.1:{router_port}"
     try:
         urls = sorted({t["url"].removesuffix("/v1").replace("localhost", "127.0.0.1")
@@ -116,5 +104,5 @@ def test_vllm_router_routes_by_adapter_to_the_plans_gpus(tmp_path: Path) -> None
                        if line.startswith("vllm:request_success_total{"))
             assert done == n, (url, done, n)
     finally:
-        _stop(proxy)
-        _stop(servers)
+        stop_tree(proxy)
+        stop_tree(servers)

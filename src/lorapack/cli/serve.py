@@ -118,15 +118,7 @@ def serve(
                        ("--tokenizer", tokenizer), ("--api-key", api_key)):
             if v:
                 passthrough += [opt, str(v)]
-        commands = plan_commands(plan, base_port, host, passthrough)
-        if model is None and profile is None:
-            import json
-
-            from ..placement.plan import plan_from_dict
-
-            p = plan_from_dict(json.loads((plan / "plan.json").read_text()))
-            for k, (_gi, _port, argv) in enumerate(commands):
-                commands[k] = (_gi, _port, argv + ["--model", p.model, "--gpu", p.gpu_type])
+        commands = plan_commands(plan, base_port, host, passthrough, plans_model=model is None and profile is None)
         code = serve_plan(commands, lambda m: err_console.print(m, highlight=False, soft_wrap=True))
         raise typer.Exit(code)
 

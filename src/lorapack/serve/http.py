@@ -63,28 +63,22 @@ def error(message: str, status: int = 400, err_type: str = "BadRequestError", pa
                         status_code=status)
 
 
-class _BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status, self.err_type = status, err_type
-
-
 async def _json_body(request: Request, max_bytes: int) -> dict[str, Any]:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _BadRequest(f"request body of {int(declared)} bytes is over the limit of {max_bytes} bytes", 413,
+        raise TwinServerError(f"request body of {int(declared)} bytes is over the limit of {max_bytes} bytes", 413,
                           "RequestEntityTooLarge")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > max_bytes:
-            raise _BadRequest(f"request body over the limit of {max_bytes} bytes", 413, "RequestEntityTooLarge")
+            raise TwinServerError(f"request body over the limit of {max_bytes} bytes", 413, "RequestEntityTooLarge")
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _BadRequest(f"malformed JSON body: {exc}") from None
+        raise TwinServerError(f"malformed JSON body: {exc}") from None
     if not isinstance(data, dict):
-        raise _BadRequest("the request body must be a JSON object")
+        raise TwinServerError("the request body must be a JSON object")
     return data
 
 
@@ -93,7 +87,7 @@ def _int_field(data: dict, name: str, default: int | None) -> int | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise _BadRequest(f"{name} {v!r}: expected an integer")
+        raise TwinServerError(f"{name} {v!r}: expected an integer")
     return v
 
 
@@ -162,7 +156,7 @@ class TwinApp:
         try:
             data = await _json_body(request, self.options.max_body_bytes)
             n = self._prompt_tokens(data)
-        except _BadRequest as exc:
+        except TwinServerError as exc:
             return error(str(exc), exc.status, exc.err_type)
         return JSONResponse({"count": n, "max_model_len": int(self.twin.srv.max_model_len),
                              "tokens": list(range(n)), "token_strs": None})
@@ -170,7 +164,7 @@ class TwinApp:
     async def load_lora_adapter(self, request: Request) -> Response:
         try:
             data = await _json_body(request, self.options.max_body_bytes)
-        except _BadRequest as exc:
+        except TwinServerError as exc:
             return error(str(exc), exc.status, exc.err_type)
         name, path = data.get("lora_name"), data.get("lora_path")
         if not name or not path or not isinstance(name, str) or not isinstance(path, str):
@@ -187,7 +181,7 @@ class TwinApp:
     async def unload_lora_adapter(self, request: Request) -> Response:
         try:
             data = await _json_body(request, self.options.max_body_bytes)
-        except _BadRequest as exc:
+        except TwinServerError as exc:
             return error(str(exc), exc.status, exc.err_type)
         name = data.get("lora_name")
         if not name or not isinstance(name, str):
@@ -211,21 +205,21 @@ class TwinApp:
             ids = data["prompt"]
         if ids is not None:
             if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-                raise _BadRequest("prompt_token_ids: expected a list of token ids")
+                raise TwinServerError("prompt_token_ids: expected a list of token ids")
             return len(ids)
         if "messages" in data:
             messages = data["messages"]
             if not isinstance(messages, list) or not messages:
-                raise _BadRequest("messages: expected a non-empty list of messages")
+                raise TwinServerError("messages: expected a non-empty list of messages")
             n = 0
             for m in messages:
                 if not isinstance(m, dict) or "role" not in m:
-                    raise _BadRequest("messages: each message needs a 'role' and a 'content'")
+                    raise TwinServerError("messages: each message needs a 'role' and a 'content'")
                 content = m.get("content") or ""
                 if isinstance(content, list):  # content parts: the text ones count
                     content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
                 if not isinstance(content, str):
-                    raise _BadRequest("messages: a message's content must be text")
+                    raise TwinServerError("messages: a message's content must be text")
                 n += self._count(content) + CHAT_TOKENS_PER_MESSAGE
             return n
         prompt = data.get("prompt")
@@ -233,9 +227,9 @@ class TwinApp:
             if len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
             else:
-                raise _BadRequest("prompt: the twin server takes one prompt per request (a string or token ids)")
+                raise TwinServerError("prompt: the twin server takes one prompt per request (a string or token ids)")
         if not isinstance(prompt, str):
-            raise _BadRequest("prompt: expected a string or a list of token ids")
+            raise TwinServerError("prompt: expected a string or a list of token ids")
         return self._count(prompt)
 
     async def completions(self, request: Request) -> Response:
@@ -250,7 +244,7 @@ class TwinApp:
             data = await _json_body(request, self.options.max_body_bytes)
             model = data.get("model", twin.model_name)
             if not isinstance(model, str):
-                raise _BadRequest(f"model {model!r}: expected a string")
+                raise TwinServerError(f"model {model!r}: expected a string")
             prompt_tokens = self._prompt_tokens(data)
             default = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
             max_tokens = _int_field(data, "max_completion_tokens", None) if chat else None
@@ -258,15 +252,13 @@ class TwinApp:
                 max_tokens = _int_field(data, "max_tokens", default)
             n = _int_field(data, "n", 1)
             if n != 1:
-                raise _BadRequest(f"n {n}: the twin server generates one choice per request")
+                raise TwinServerError(f"n {n}: the twin server generates one choice per request")
             stream = bool(data.get("stream", False))
             opts = data.get("stream_options") or {}
             include_usage = bool(opts.get("include_usage", False)) if isinstance(opts, dict) else False
             twin.adapter_index(model)  # 404 before the length checks, as vLLM
             out_tokens = twin.check_lengths(prompt_tokens, max_tokens)
             s = twin.submit(model, prompt_tokens, out_tokens, request.scope.get(RECEIVED_KEY))
-        except _BadRequest as exc:
-            return error(str(exc), exc.status, exc.err_type)
         except TwinServerError as exc:
             return error(str(exc), exc.status, exc.err_type)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

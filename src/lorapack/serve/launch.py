@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -54,17 +53,16 @@ def parse_lora_modules(values: list[str]) -> list[LoraModule]:
 def twin_process(flags: Sequence[str], log: Path | None = None, env: dict[str, str] | None = None,
                  start_timeout_s: float = 120.0) -> Iterator[str]:
     """A ``lorapack serve FLAGS`` process on a free loopback port (benches, tests): yields its base URL once
-    ``/health`` answers, and stops it with its whole process group (SIGTERM, then SIGKILL) however the block
-    ends. Output goes to ``log`` (else nowhere); a server that exits or does not answer in time is a
-    ``RuntimeError`` naming the log."""
+    ``/health`` answers. It runs under the testbed's process-tree guard (``testbed.server.guarded``: it dies with
+    this process, even by SIGKILL) and is stopped with its tree (``stop_tree``) however the block ends. Output
+    goes to ``log`` (else nowhere); a server that exits or does not answer in time is a ``RuntimeError``."""
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    out = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "lorapack.cli", "serve", "--port", str(port), *flags], stdout=out,
-                            stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
+    from ..testbed.server import free_port, guarded, stop_tree
+
+    port = free_port()
+    proc = guarded([sys.executable, "-m", "lorapack.cli", "serve", "--port", str(port), *flags],
+                   env={**os.environ, **(env or {})}, log=log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout_s
@@ -81,15 +79,7 @@ def twin_process(flags: Sequence[str], log: Path | None = None, env: dict[str, s
             time.sleep(0.2)
         yield url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        if log is not None:
-            out.close()
+        stop_tree(proc)
 
 
 def run_server(app, host: str, port: int, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
@@ -101,10 +91,12 @@ def run_server(app, host: str, port: int, max_connections: int = DEFAULT_MAX_CON
     uvicorn.Server(config).run()
 
 
-def plan_commands(plan_dir: Path, base_port: int, host: str, extra: list[str]) -> list[tuple[int, int, list[str]]]:
+def plan_commands(plan_dir: Path, base_port: int, host: str, extra: list[str],
+                  plans_model: bool = True) -> list[tuple[int, int, list[str]]]:
     """``(gpu, port, argv)`` of one ``lorapack serve`` per GPU of the plan in ``plan_dir`` (GPUs without
     adapters are skipped, as ``serve.sh`` does). Ports: ``base_port + gpu``, as ``routes.json`` with
-    ``place --base-port`` (one node). Flags: each GPU's ``ServerConfig`` in ``plan.json``."""
+    ``place --base-port`` (one node). Flags: each GPU's ``ServerConfig`` in ``plan.json``; ``plans_model``: the
+    plan's model and GPU type pick the shipped profile (else ``extra`` names one)."""
     from ..placement.export import Endpoints
     from ..placement.plan import plan_from_dict
 
@@ -133,6 +125,8 @@ def plan_commands(plan_dir: Path, base_port: int, host: str, extra: list[str]) -
             if rank is not None:
                 module["rank"] = int(rank)
             argv += ["--lora-modules", json.dumps(module)]
+        if plans_model:
+            argv += ["--model", plan.model, "--gpu", plan.gpu_type]
         out.append((gi, port, argv + extra))
     if not out:
         raise SpecError(f"--plan {plan_dir}: the plan has no GPU with adapters")

@@ -118,11 +118,11 @@ class TwinMetrics:
         for _ in range(n_new):
             self.itl.observe(gap_s)
 
-    def _on_finish(self, s: RequestStream, record: dict) -> None:
-        if record["aborted"]:
+    def _on_finish(self, s: RequestStream, e2e_s: float) -> None:
+        if s.aborted:
             self.success.labels(**self._labels, finished_reason="abort").inc()
             return
-        self.e2e.observe(record["e2e_s"])
+        self.e2e.observe(e2e_s)
         self.success.labels(**self._labels, finished_reason="length").inc()
 
     def render(self) -> bytes:

@@ -178,9 +178,8 @@ class TwinServer:
         self._task: asyncio.Task | None = None
         self.lags_s: deque[float] = deque(maxlen=LAG_WINDOW)
         self.max_lag_s = 0.0
-        self.finished_log: deque[dict] = deque(maxlen=LAG_WINDOW)  # recent finished requests (tests, metrics)
         self.on_token = None  # callback(stream, n_new, gap_s) for the metrics
-        self.on_finish = None  # callback(stream, record)
+        self.on_finish = None  # callback(stream, e2e_s)
         self.on_lag = None  # callback(lag_s)
 
     # ---- the clock ------------------------------------------------------------------------------
@@ -367,23 +366,16 @@ class TwinServer:
             if n:
                 self._hand_out(rid, n)
         done = eng.drain_finished()  # (a vectorised scan: cheap next to the streams' work)
-        if len(done["id"]):
-            for j, rid in enumerate(done["id"].tolist()):
-                self._hand_out(rid, int(done["tokens_out"][j]))
-                s = self.streams.pop(rid, None)
-                if s is None:
-                    continue
-                s.finished = True
-                s.aborted = s.aborted or not np.isfinite(done["t_finish_s"][j])
-                record = {"id": rid, "model": s.model, "prompt_tokens": s.prompt_tokens,
-                          "output_tokens": s.produced, "t_arr_s": s.t_arr_s,
-                          "ttft_s": float(done["t_first_s"][j] - s.t_arr_s) + self.frontend_s,
-                          "e2e_s": float(done["t_finish_s"][j] - s.t_arr_s) + self.frontend_s,
-                          "n_preempted": int(done["n_preempted"][j]), "aborted": s.aborted}
-                self.finished_log.append(record)
-                if self.on_finish is not None:
-                    self.on_finish(s, record)
-                s.tokens.put_nowait(None)
+        for j, rid in enumerate(done["id"].tolist()):
+            self._hand_out(rid, int(done["tokens_out"][j]))
+            s = self.streams.pop(rid, None)
+            if s is None:
+                continue
+            s.finished = True
+            s.aborted = s.aborted or not np.isfinite(done["t_finish_s"][j])
+            if self.on_finish is not None:  # the end-to-end latency a client sees (frontend share included)
+                self.on_finish(s, float(done["t_finish_s"][j] - s.t_arr_s) + self.frontend_s)
+            s.tokens.put_nowait(None)
 
     def _hand_out(self, rid: int, produced: int) -> None:
         s = self.streams.get(rid)

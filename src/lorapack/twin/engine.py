@@ -1119,7 +1119,7 @@ class Engine:
         book, st = self._live, self.state
         c = self.counters
         n = int(c["n_known"])
-        keep = np.flatnonzero(~(book.drained[:n] & (st.requests.status[:n] == FINISHED)))
+        keep = np.flatnonzero(~book.drained[:n])  # (only finished requests are drained)
         n_keep = len(keep)
         new_of_old = np.full(n, -1, np.int64)
         new_of_old[keep] = np.arange(n_keep)
@@ -1137,9 +1137,8 @@ class Engine:
             return out
 
         req = st.requests
-        requests = Requests(*(gather(getattr(req, f), np.nan if getattr(req, f).dtype.kind == "f" else
-                                     (1 if f in ("prompt_tokens", "output_tokens") else 0))
-                              for f in Requests._fields))
+        # rows past n_known are never read (add_request writes every field of a row): any fill will do
+        requests = Requests(*(gather(a, np.nan if a.dtype.kind == "f" else 0) for a in req))
         waiting_key = requests.queue_key[:n_keep]
         waiting_key[:] = remap(waiting_key)  # victims' keys are negative: unchanged
         q = st.queue
