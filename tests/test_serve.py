@@ -10,6 +10,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +24,7 @@ from serve_helpers import LLAMA, twin_server
 MODULES = ["a0=/adapters/a0", "a1=/adapters/a1", '{"name": "r32", "path": "/adapters/r32", "rank": 32}',
            '{"name": "a3", "path": "/adapters/a3", "rank": 8}']
 FLAGS = ("--model", LLAMA, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "32", "--max-model-len", "4096",
-         "--time-scale", "5", "--api-key", "sekret", "--lora-modules", *MODULES)
+         "--time-scale", "5", "--api-key", "sekret", "--http-path-ms", "1.5", "--lora-modules", *MODULES)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,31 @@ def test_runtime_loading_needs_the_env_variable() -> None:
         assert r.status_code == 404
         v = httpx.get(url + "/version", timeout=30).json()
         assert v["version"] == "0.8.5" and v["time_scale"] == 1.0 and v["twin"] is True
+        # no --http-path-ms: the start-up probe measures the server's own HTTP path (loopback round trips)
+        deadline = time.monotonic() + 60
+        while v["http_path_ms"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            v = httpx.get(url + "/version", timeout=30).json()
+        assert 0 < v["http_path_ms"] < v["frontend_ms"]
+
+
+def test_http_path_is_taken_out_of_the_frontend_share(server) -> None:
+    from lorapack.profile import find_profile
+    from lorapack.serve.twin import TwinServer
+    from lorapack.server import ServerConfig
+
+    v = httpx.get(server + "/version", timeout=30).json()
+    assert v["http_path_ms"] == 1.5  # --http-path-ms: no probe
+    twin = TwinServer(find_profile(LLAMA), ServerConfig(max_loras=1), [], enable_lora=True, time_scale=2.0)
+    front = twin.frontend_s
+    assert front > 0.005
+    twin.set_http_path_s(0.004)
+    assert twin.publish_wall(1.0) == pytest.approx(twin.wall_at(1.0 + front) - 0.004)
+    twin.set_http_path_s(1.0)  # never before the step's own end
+    assert twin.publish_wall(1.0) == twin.wall_at(1.0)
+    for bad in (-0.001, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="HTTP path"):
+            twin.set_http_path_s(bad)
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -185,6 +211,7 @@ def test_parse_lora_modules() -> None:
      "LoRA rank 16 is greater than max_lora_rank 8"),
     (["--time-scale", "0"], "--time-scale 0"),
     (["--max-lora-rank", "12"], "--max-lora-rank 12"),
+    (["--http-path-ms", "-1"], "--http-path-ms -1"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message) -> None:
     p = subprocess.run([sys.executable, "-m", "lorapack.cli", "serve", "--model", LLAMA, "--port", "1", *args],

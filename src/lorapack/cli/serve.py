@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import re
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -44,6 +47,16 @@ def _split_extra(extra: list[str], lora_given: bool) -> tuple[list[str], list[st
             ignored.append(word)
         i += 1
     return modules, ignored
+
+
+def _log_to_stderr(name: str) -> None:
+    """The server's run-time notes (the HTTP-path probe) on stderr, in the start-up lines' style."""
+    logger = logging.getLogger(name)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s lorapack serve: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def serve(
@@ -88,6 +101,10 @@ def serve(
     max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections before the server "
                                                  "answers 503.")] = 4096,
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Largest request body.")] = 4 * 1024 * 1024,
+    http_path_ms: Annotated[float | None, typer.Option(
+        "--http-path-ms", help="What this server's HTTP path adds to a client's TTFT, taken out of the profile's "
+        "frontend share (which holds a real API server's path). Default: measured at start-up by a loopback "
+        "probe; 0: off.")] = None,
 ) -> None:
     """Serve the calibrated twin behind vLLM's HTTP API: routers, gateways and clients can be tried on a plan
     without GPUs.
@@ -109,11 +126,15 @@ def serve(
                         ("--max-body-bytes", max_body_bytes, 1024), ("--base-port", base_port, 1)):
         if v < lo or (name.endswith("port") and v > 65535):
             raise SpecError(f"{name} {v}: expected an integer >= {lo}" + (" and <= 65535" if "port" in name else ""))
+    if http_path_ms is not None and not (math.isfinite(http_path_ms) and http_path_ms >= 0):
+        raise SpecError(f"--http-path-ms {http_path_ms}: expected a number of milliseconds >= 0")
     if plan is not None:
         given = [o for o, v in (("--lora-modules", lora_modules), ("--served-model-name", served_model_name)) if v]
         if given:
             raise SpecError(f"--plan and {', '.join(given)}: a plan brings its own adapters and names")
         passthrough = ["--time-scale", str(time_scale), "--seed", str(seed)]
+        if http_path_ms is not None:
+            passthrough += ["--http-path-ms", str(http_path_ms)]
         for opt, v in (("--model", model), ("--gpu", gpu), ("--profile", profile), ("--vllm-version", vllm_version),
                        ("--tokenizer", tokenizer), ("--api-key", api_key)):
             if v:
@@ -136,7 +157,10 @@ def serve(
     count = None
     if tokenizer is not None:
         count = _load_tokenizer(tokenizer)
-    app = TwinApp(twin, HttpOptions(api_key=api_key, max_body_bytes=max_body_bytes, tokenizer=count))
+    probe_host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    app = TwinApp(twin, HttpOptions(api_key=api_key, max_body_bytes=max_body_bytes, tokenizer=count,
+                                    http_path_ms=http_path_ms, probe_address=(probe_host, port)))
+    _log_to_stderr("lorapack.serve")
     srv = twin.srv
     # vLLM's own start-up lines, which lorapack measure --log / --launch reads (measure.probe.read_log)
     resolved = {"enable_lora": enable_lora, "max_loras": srv.max_loras, "max_lora_rank": srv.max_lora_rank,

@@ -2,7 +2,15 @@
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events, or not),
 ``/v1/models``, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (only with
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` set, as in vLLM), ``/tokenize``, ``/health``, ``/version``, ``/metrics``.
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` set, as in vLLM), ``/tokenize``, ``/health``, ``/version``, ``/metrics``;
+``/lorapack/probe`` (one server-sent event, no engine: the start-up HTTP-path probe's target).
+
+The HTTP path: a client's TTFT against a real vLLM includes its API server's HTTP path, and so does the
+profile's frontend share (``Profile.frontend``: fitted from what real clients saw). The twin server's own path
+would count it twice, so at start-up the app streams ``PROBE_REQUESTS`` one-event responses to itself over
+loopback (a keep-alive connection, as the benchmark clients use) and the median round trip is taken out of the
+frontend share (``TwinServer.set_http_path_s``; ``--http-path-ms`` sets it instead, 0 turns it off). Requests
+in the probe's first ~0.1 s see the whole share.
 Errors are vLLM's JSON (``{"error": {"message", "type", "param", "code"}}``) with its status codes.
 
 Prompt length: ``prompt_token_ids`` / a prompt given as token ids are exact; text goes through the
@@ -19,8 +27,10 @@ Safety: ``--api-key`` (Bearer token on ``/v1`` routes, as vLLM), a cap on the re
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -43,6 +53,12 @@ TOKEN_TEXT = (" the", " twin", " says", " hello", " to", " you", " and", " waits
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default (vLLM's too)
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+PROBE_PATH = "/lorapack/probe"
+PROBE_REQUESTS = 40  # timed round trips of the start-up probe (after PROBE_WARMUP untimed ones)
+PROBE_WARMUP = 10
+PROBE_CONNECT_TIMEOUT_S = 30.0  # the server may take a while to listen on a loaded machine
+PROBE_EVENT = b"data: {}\n\n"
+log = logging.getLogger("lorapack.serve")
 
 
 def count_text_tokens(text: str) -> int:
@@ -56,6 +72,8 @@ class HttpOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tokenizer: Callable[[str], int] | None = None  # text -> token count (--tokenizer); None: count_text_tokens
     allow_runtime_lora: bool | None = None  # None: from the environment, as vLLM
+    http_path_ms: float | None = None  # the server's own HTTP path; None: measured by the start-up probe
+    probe_address: tuple[str, int] | None = None  # where the server listens (None: no probe, path 0)
 
 
 def error(message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None) -> JSONResponse:
@@ -105,6 +123,7 @@ class TwinApp:
             Route("/health", self.health, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/metrics", self.render_metrics, methods=["GET"]),
+            Route(PROBE_PATH, self.probe, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -120,12 +139,39 @@ class TwinApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        """The twin steps while the app runs."""
+        """The twin steps while the app runs; the HTTP-path probe runs once the server listens."""
         self.twin.start()
+        probe = None
+        opts = self.options
+        if opts.http_path_ms is not None:
+            self.twin.set_http_path_s(opts.http_path_ms / 1000.0)
+        elif opts.probe_address is not None:
+            probe = asyncio.get_running_loop().create_task(self._measure_http_path(*opts.probe_address))
         try:
             yield
         finally:
+            if probe is not None:
+                probe.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await probe
             await self.twin.stop()
+
+    async def _measure_http_path(self, host: str, port: int) -> None:
+        try:
+            path_s = await measure_http_path_s(host, port)
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            log.warning("the HTTP-path probe of %s:%d failed (%s): the frontend share is served whole",
+                        host, port, exc)
+            return
+        self.twin.set_http_path_s(path_s)
+        log.info("HTTP path %.2f ms (median of %d loopback round trips), taken out of the %.2f ms frontend share",
+                 path_s * 1000, PROBE_REQUESTS, self.twin.frontend_s * 1000)
+
+    async def probe(self, request: Request) -> Response:
+        async def one_event() -> AsyncIterator[bytes]:
+            yield PROBE_EVENT
+
+        return StreamingResponse(one_event(), media_type="text/event-stream")
 
     # ---- small routes ---------------------------------------------------------------------------
 
@@ -136,7 +182,8 @@ class TwinApp:
         twin = self.twin
         return JSONResponse({"version": twin.srv.vllm_version, "lorapack": __version__, "twin": True,
                              "time_scale": twin.time_scale, "model": twin.profile.model, "gpu": twin.profile.gpu,
-                             "twin_now_s": twin.now_s(), "twin_lag": twin.lag_summary()})
+                             "twin_now_s": twin.now_s(), "twin_lag": twin.lag_summary(),
+                             "frontend_ms": twin.frontend_s * 1000, "http_path_ms": twin.http_path_s * 1000})
 
     async def render_metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -322,6 +369,48 @@ class TwinApp:
         finally:
             if not s.finished:  # the client went away mid-stream: vLLM aborts the request
                 self.twin.abort(s)
+
+
+async def measure_http_path_s(host: str, port: int, n: int = PROBE_REQUESTS, warmup: int = PROBE_WARMUP) -> float:
+    """Median wall seconds from sending a streamed request to ``PROBE_PATH`` to reading its one event, over one
+    keep-alive loopback connection (raw HTTP/1.1: the probe's own client costs next to nothing)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PROBE_CONNECT_TIMEOUT_S
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+            break
+        except OSError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.01)
+    body = b"{}"
+    req = (f"POST {PROBE_PATH} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+           f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+    async def round_trip() -> float:
+        t0 = time.perf_counter()
+        writer.write(req)
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # the headers
+        size = int((await reader.readline()).strip(), 16)  # chunked transfer: the event's chunk
+        await reader.readexactly(size + 2)
+        took = time.perf_counter() - t0
+        await reader.readuntil(b"0\r\n\r\n")  # the last chunk
+        return took
+
+    times: list[float] = []
+    try:
+        for k in range(warmup + n):
+            took = await asyncio.wait_for(round_trip(), PROBE_CONNECT_TIMEOUT_S)
+            if k >= warmup:
+                times.append(took)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    times.sort()
+    return times[len(times) // 2]
 
 
 RECEIVED_KEY = "lorapack.received"  # ASGI scope key: time.monotonic() when the app got the request

@@ -12,10 +12,12 @@ to the API server. One ``TwinServer`` per server process:
   adapter's files, which the twin never opens) or defaults to ``--max-lora-rank``.
 * **clock**: twin seconds = ``time_scale`` x wall seconds since start. A request arrives at the twin time it
   reaches the server. The engine runs one step at a time; the tokens of a step ending at twin time ``e`` are
-  handed to their streams at wall time ``(e + frontend) / time_scale`` (``frontend``: the profile's API-server
-  share of the TTFT, ``Profile.frontend``), so a client sees the twin's TTFT (frontend included) and ITL. If
-  the machine cannot keep up, steps are published late: the lag (wall seconds) is recorded
-  (``lorapack:twin_lag_seconds``).
+  handed to their streams at wall time ``(e + frontend) / time_scale - http_path`` (``frontend``: the profile's
+  share of the TTFT outside the engine, ``Profile.frontend``, fitted from what real clients saw; ``http_path``:
+  what this server's own HTTP path adds for a client, measured at start-up by ``serve.http``'s loopback probe
+  and taken out of that share so it is not counted twice; never earlier than ``e``), so a client sees the
+  twin's TTFT (frontend included) and ITL. If the machine cannot keep up, steps are published late: the lag
+  (wall seconds) is recorded (``lorapack:twin_lag_seconds``).
 * **one step at a time**: ``advance_to(nextafter(t))`` runs exactly the next step (or an idle jump), so a
   request that arrives while a step "runs" joins the next one, as in the batch twin: the same arrivals give
   the same per-request times as ``lorapack simulate`` (up to the arrival times the HTTP clients achieve).
@@ -42,6 +44,8 @@ BASE_INDEX = 0  # the engine's pseudo-adapter of base-model requests
 RUNTIME_ADAPTERS = 256  # adapter indices kept for load_lora_adapter beyond the --lora-modules ones
 VLLM_DEFAULT_MAX_LORA_RANK = 16  # vLLM's --max-lora-rank default
 LAG_WINDOW = 100_000  # the most recent publication lags kept for the percentiles
+WAKE_EWMA = 0.05  # weight of one wake-up in the running lateness the publisher aims early by
+MAX_AIM_EARLY_S = 0.002  # at most this early (a stall must not shift every later publication)
 
 
 def startup_refusal(srv: ResolvedServer, model: str) -> str:
@@ -159,6 +163,7 @@ class TwinServer:
         self.srv: ResolvedServer = srv
         self.time_scale = float(time_scale)
         self.frontend_s = (profile.frontend.ttft_overhead_ms / 1000.0) if profile.frontend is not None else 0.0
+        self.http_path_s = 0.0  # wall seconds of the server's own HTTP path (set_http_path_s)
         capacity = 1 + len(lora_modules) + int(runtime_adapters)
         slot = self.srv.max_lora_rank
         self.cfg = EngineConfig.from_server(
@@ -178,6 +183,7 @@ class TwinServer:
         self._task: asyncio.Task | None = None
         self.lags_s: deque[float] = deque(maxlen=LAG_WINDOW)
         self.max_lag_s = 0.0
+        self._aim_early_s = 0.0  # the running lateness of the loop's wake-ups (seconds)
         self.on_token = None  # callback(stream, n_new, gap_s) for the metrics
         self.on_finish = None  # callback(stream, e2e_s)
         self.on_lag = None  # callback(lag_s)
@@ -190,6 +196,17 @@ class TwinServer:
 
     def wall_at(self, t_s: float) -> float:
         return self._wall0 + t_s / self.time_scale
+
+    def set_http_path_s(self, path_s: float) -> None:
+        """What the server's HTTP path adds to a client's TTFT (wall seconds, >= 0): taken out of the frontend
+        share (at most all of it), since that share already holds a real API server's path."""
+        if not (math.isfinite(path_s) and path_s >= 0):
+            raise SpecError(f"HTTP path {path_s!r} s: expected a finite number >= 0")
+        self.http_path_s = float(path_s)
+
+    def publish_wall(self, t_s: float) -> float:
+        """Wall time at which the tokens of a step ending at twin time ``t_s`` go to their streams."""
+        return max(self.wall_at(t_s + self.frontend_s) - self.http_path_s, self.wall_at(t_s))
 
     # ---- adapters -------------------------------------------------------------------------------
 
@@ -346,12 +363,17 @@ class TwinServer:
                 await self._wake.wait()
                 continue
             eng.advance_to(np.nextafter(eng.t_s, math.inf))  # exactly the next step (t_s >= every stop time)
-            delay = self.wall_at(eng.t_s + self.frontend_s) - time.monotonic()
+            target = self.publish_wall(eng.t_s)
+            delay = target - time.monotonic() - self._aim_early_s
             if delay > 0:
                 await asyncio.sleep(delay)
+                # the event loop's timers wake late (libuv's have millisecond resolution, plus the loop's own
+                # work): aim early by the recent lateness, so that the median publication is on time
+                late_s = time.monotonic() + self._aim_early_s - target  # as if aimed at the target
+                self._aim_early_s += WAKE_EWMA * (min(max(late_s, 0.0), MAX_AIM_EARLY_S) - self._aim_early_s)
             else:
                 await asyncio.sleep(0)  # let the HTTP side run
-            lag = max(time.monotonic() - self.wall_at(eng.t_s + self.frontend_s), 0.0)
+            lag = max(time.monotonic() - target, 0.0)
             self.lags_s.append(lag)
             self.max_lag_s = max(self.max_lag_s, lag)
             if self.on_lag is not None:
