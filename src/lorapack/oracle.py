@@ -27,8 +27,10 @@ from .objective import STARVED_PROBABILITY
 from .profile import VLLM_LORA_RANKS, Profile
 from .server import ServerConfig, ServerFlag, rules_for_version
 from .spec import (
+    DEFAULT_LENGTHS_CV,
     DEFAULT_MEAN_INPUT_TOKENS,
     DEFAULT_MEAN_OUTPUT_TOKENS,
+    LengthsSpec,
     LognormalArrivals,
     ModulatedArrivals,
     PoissonArrivals,
@@ -38,6 +40,11 @@ from .twin.metrics import RunMetrics
 
 NAN = float("nan")
 CandidateArrivals = PoissonArrivals | LognormalArrivals | ModulatedArrivals  # laws driven by per-adapter rates
+# The learned models were trained on sweeps of the profile's log-normal length law (``profile_cv``) around the
+# reference means; a candidate whose law has another shape is outside their training. The cv is compared within
+# this relative tolerance: near saturation the mean TTFT moves by orders of magnitude between cv 0.84 and 1.1.
+LENGTHS_CV_TOLERANCE = 0.02
+LENGTH_FEATURES = ("mean_input_tokens", "mean_output_tokens")  # the features that carry a candidate's lengths
 
 # Column order of ``features()``. The first seven are the paper's (placement.md §3.1); the rest are lorapack's:
 # the slot rank vLLM pads every slot to, the mean lengths (a model is valid only near its training lengths),
@@ -68,6 +75,65 @@ def default_slot_rank(max_rank: int, choices: tuple[int, ...] = VLLM_LORA_RANKS)
                     f"({choices[-1]})")
 
 
+def profile_cv(profile: Profile) -> float:
+    """The cv of the profile's length law: fitted on its real runs (``runs_lengths``), else the spec default."""
+    law = profile.runs_lengths
+    return float(law.cv) if law is not None else DEFAULT_LENGTHS_CV
+
+
+def profile_length_law(profile: Profile, mean_input_tokens: float = DEFAULT_MEAN_INPUT_TOKENS,
+                       mean_output_tokens: float = DEFAULT_MEAN_OUTPUT_TOKENS) -> LengthsSpec:
+    """The profile's ShareGPT-like length law around the given means: what the twin assumes for a candidate
+    without a law of its own, and what the sweeps behind the learned models simulated."""
+    return LengthsSpec(kind="lognormal", mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens,
+                       cv=profile_cv(profile))
+
+
+def is_profile_law(lengths: LengthsSpec | None, profile: Profile) -> bool:
+    """``lengths`` is the profile's law up to its means (None: the candidate assumes it)."""
+    if lengths is None:
+        return True
+    return lengths.kind == "lognormal" and abs(float(lengths.cv) - profile_cv(profile)) <= 1e-9 * profile_cv(profile)
+
+
+def length_law_key(lengths: LengthsSpec | None, profile: Profile) -> tuple | None:
+    """What identifies a candidate's length law in caches (None for the profile's own law, so caches made before
+    candidates carried laws stay valid): its kind, cv and table (the means are keyed apart)."""
+    if is_profile_law(lengths, profile):
+        return None
+    assert lengths is not None
+    if lengths.kind == "empirical":
+        from .workload.lengths import lengths_table_digest
+
+        return ("empirical", lengths_table_digest(lengths.path))
+    return (lengths.kind, float(lengths.cv) if lengths.kind == "lognormal" else None)
+
+
+def length_law_problem(cand: GpuCandidate) -> str:
+    """'' when ``cand``'s length law has the shape the learned models were trained on (the profile's log-normal
+    law, its cv within ``LENGTHS_CV_TOLERANCE``), else what differs (their means are checked as features)."""
+    law = cand.lengths
+    if law is None:
+        return ""
+    cv = profile_cv(cand.profile)
+    if law.kind == "lognormal" and abs(float(law.cv) - cv) <= LENGTHS_CV_TOLERANCE * cv:
+        return ""
+    shape = f"log-normal with cv {law.cv:g}" if law.kind == "lognormal" else law.kind
+    return f"lengths {shape} (trained on the profile's log-normal law, cv {cv:g})"
+
+
+def lengths_outside_training(oracle: Oracle, cand: GpuCandidate) -> str:
+    """Why a learned oracle's answers about ``cand``'s request lengths lie outside its training data -- the
+    law's shape (``length_law_problem``) or its means (the oracle's ``out_of_range`` check of those features)
+    -- or '' when they do not, or when ``oracle`` is not learned."""
+    ranges = getattr(oracle, "out_of_range", None)  # a learned oracle's per-row check of its training ranges
+    if not getattr(oracle, "learned", False) or ranges is None:
+        return ""
+    parts = [length_law_problem(cand), *(x for x in ranges(features([cand]))[0].split("; ")
+                                         if x.startswith(LENGTH_FEATURES))]
+    return "; ".join(x for x in parts if x)
+
+
 @lru_cache(maxsize=4096)
 def _slots_only(max_loras: int) -> ServerConfig:
     """``ServerConfig(max_loras=max_loras)``, shared: placement's candidates vary only ``max_loras``."""
@@ -90,6 +156,9 @@ class GpuCandidate:
     server: ServerConfig  # the flags: A = server.max_loras, S = server.max_lora_rank, ...
     mean_input_tokens: float | None = None
     mean_output_tokens: float | None = None
+    # the request length law (None: the profile's, ``profile_length_law``); for kinds fixed and lognormal the
+    # candidate's means replace the law's, so one law serves every candidate of a workload
+    lengths: LengthsSpec | None = None
 
     def __post_init__(self) -> None:
         ranks = np.asarray(self.ranks)
@@ -116,6 +185,9 @@ class GpuCandidate:
             v = getattr(self, name)
             if v is not None and (not math.isfinite(v) or v < 1):
                 raise SpecError(f"{name} {v}: expected a finite number of tokens >= 1")
+        if self.lengths is not None and not isinstance(self.lengths, LengthsSpec):
+            raise SpecError(f"a GPU candidate's lengths: expected a lorapack.spec.LengthsSpec, got "
+                            f"{type(self.lengths).__name__}")
         s = server.max_lora_rank
         if s is not None and int(s) < int(ranks.max()):
             raise SpecError(f"--max-lora-rank {s} is below the largest adapter rank {int(ranks.max())}")
@@ -126,8 +198,8 @@ class GpuCandidate:
 
     @classmethod
     def prevalidated(cls, profile: Profile, ranks: np.ndarray, rates_rps: np.ndarray, max_loras: int,
-                     mean_input_tokens: float | None = None, mean_output_tokens: float | None = None
-                     ) -> GpuCandidate:
+                     mean_input_tokens: float | None = None, mean_output_tokens: float | None = None,
+                     lengths: LengthsSpec | None = None) -> GpuCandidate:
         """A candidate built without the checks of ``__init__``, for callers whose arrays are already
         validated (int64 ranks >= 1, finite float64 rates >= 0, non-empty; placement's ``Instance``): the
         greedy builds thousands of candidates per placement, and the checks would dominate its time. Its
@@ -135,7 +207,8 @@ class GpuCandidate:
         self = object.__new__(cls)
         for name, v in (("profile", profile), ("ranks", ranks), ("rates_rps", rates_rps),
                         ("server", _slots_only(int(max_loras))),
-                        ("mean_input_tokens", mean_input_tokens), ("mean_output_tokens", mean_output_tokens)):
+                        ("mean_input_tokens", mean_input_tokens), ("mean_output_tokens", mean_output_tokens),
+                        ("lengths", lengths)):
             object.__setattr__(self, name, v)
         return self
 
@@ -168,6 +241,16 @@ class GpuCandidate:
     @property
     def output_tokens(self) -> float:
         return float(self.mean_output_tokens) if self.mean_output_tokens is not None else DEFAULT_MEAN_OUTPUT_TOKENS
+
+    def length_law(self) -> LengthsSpec:
+        """The law the twin draws this candidate's request lengths from: ``lengths`` (its means the
+        candidate's, unless empirical), else the profile's law around the candidate's means."""
+        if self.lengths is None:
+            return profile_length_law(self.profile, self.input_tokens, self.output_tokens)
+        if self.lengths.kind == "empirical":
+            return self.lengths
+        return self.lengths.model_copy(update={"mean_input_tokens": self.input_tokens,
+                                               "mean_output_tokens": self.output_tokens})
 
     @property
     def incoming_expected_tok_s(self) -> float:
@@ -351,8 +434,8 @@ class TwinOracle(MemoryRuleOracle):
     """The digital twin as an oracle: each candidate simulated for ``duration_s`` with every seed.
 
     Arrivals are Poisson at the candidate's rates (common random numbers: adapter ``i``'s stream depends on
-    ``(seed, i, rate)``), lengths follow the profile's fitted ShareGPT-like law (``runs_lengths``) around the
-    candidate's means. ``early_stop`` (default on) ends runs whose outcome is clear (``twin.early``).
+    ``(seed, i, rate)``), lengths follow the candidate's law (``GpuCandidate.length_law``: by default the
+    profile's fitted ShareGPT-like law, ``runs_lengths``, around the candidate's means). ``early_stop`` (default on) ends runs whose outcome is clear (``twin.early``).
     Metrics are averaged over seeds; ``starved`` is the fraction of seeds starved; ``starved_adapters``
     the union over seeds.
     """
@@ -437,13 +520,10 @@ def check_candidate_arrivals(arrivals: object) -> None:
 
 def candidate_workload(cand: GpuCandidate, duration_s: float, arrivals: CandidateArrivals | None = None):
     """The ``Workload`` the twin simulates for ``cand``: ``arrivals`` (default Poisson) at the candidate's
-    rates, the profile's fitted length law."""
-    from .spec import Adapter, LengthsSpec, PoissonArrivals, Workload
+    rates, the candidate's length law (``GpuCandidate.length_law``)."""
+    from .spec import Adapter, PoissonArrivals, Workload
 
-    law = cand.profile.runs_lengths
-    extra = {"cv": float(law.cv)} if law is not None else {}
-    lengths = LengthsSpec(kind="lognormal", mean_input_tokens=cand.input_tokens,
-                          mean_output_tokens=cand.output_tokens, **extra)
+    lengths = cand.length_law()
     adapters = [Adapter(adapter_id=f"a{i}", rank=int(r), rate_rps=float(q))
                 for i, (r, q) in enumerate(zip(cand.ranks, cand.rates_rps, strict=True))]
     return Workload(adapters=adapters, lengths=lengths, arrivals=arrivals if arrivals is not None else PoissonArrivals(),

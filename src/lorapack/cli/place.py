@@ -119,7 +119,7 @@ def _place(values: dict[str, Any]) -> None:
     prof = apply_vllm_version(load_profile(values["model"], values["gpu"], values["profile"]), values["vllm_version"])
     wl = load_workload(workload)
     inst = instance_from_workload(wl, headroom=config.headroom, mean_input_tokens=config.mean_input_tokens,
-                                  mean_output_tokens=config.mean_output_tokens, where=str(workload))
+                                  mean_output_tokens=config.mean_output_tokens, where=str(workload), profile=prof)
     # the verifier's law is resolved against the workload file: the instance placed carries no arrival law
     law = config.verify_law(wl)
     config = dataclasses.replace(config, verify_arrivals="poisson" if law is None else law)
@@ -176,6 +176,7 @@ def _render(plan, files: list[Path]) -> None:
            if v else "; not verified (--no-verify)"),
         f"objective: {_objective_text(plan.settings['objective'])}; planned for the forecast rates x "
         f"{1 + plan.settings['headroom']:g} (--headroom {plan.settings['headroom']:g})",
+        _lengths_text(plan.settings),
         "wrote " + ", ".join(str(f) for f in files),
     ]
     worst = plan.worst_gpu
@@ -202,6 +203,25 @@ def _render(plan, files: list[Path]) -> None:
                         f"real runs: the twin extrapolates there (--n-max {N_MAX} forbids it)[/yellow]")
     for line in lines:
         console.print(line, highlight=False)
+
+
+def _lengths_text(settings: dict) -> str:
+    """Which request lengths the plan was made for, and whether they were the workload's or assumed."""
+    law = settings.get("lengths") or {}
+    means = f"means {law.get('mean_input_tokens', 0):,.0f} / {law.get('mean_output_tokens', 0):,.0f} tokens"
+    kind = law.get("kind")
+    shape = {"fixed": "fixed", "lognormal": f"log-normal (cv {law.get('cv', 0):.3g})",
+             "empirical": f"bootstrapped from {law.get('path')}"}.get(kind, str(kind))
+    if law.get("assumed"):
+        text = (f"[yellow]lengths: none in the workload file; assumed the profile's ShareGPT-like law, {shape}, "
+                f"{means} (give lengths: in a YAML workload to plan for your own)[/yellow]")
+    else:
+        text = f"lengths: the workload's, {shape}, {means}"
+    fb = settings.get("oracle_fallback")
+    if fb:
+        text += (f"\n[yellow]the learned models were not trained on these lengths ({fb['reason']}): the twin was "
+                 f"the oracle instead (as --method proposed-exact)[/yellow]")
+    return text
 
 
 _LIMIT_TEXT = {"max_ttft_s": "mean TTFT <= {:g} s", "max_itl_ms": "mean ITL <= {:g} ms",

@@ -20,7 +20,15 @@ import numpy as np
 
 from ..errors import SpecError
 from ..objective import Objective
-from ..oracle import CandidateArrivals, Oracle, Prediction, default_slot_rank
+from ..oracle import (
+    CandidateArrivals,
+    GpuCandidate,
+    Oracle,
+    Prediction,
+    default_slot_rank,
+    length_law_problem,
+    lengths_outside_training,
+)
 from ..profile import Profile
 from ..server import ServerConfig
 from .baselines import Assignment, shares_of
@@ -40,7 +48,7 @@ from .greedy import (
 )
 from .oracles import ParallelTwinOracle, default_workers, exact_oracle, learned_oracle
 from .plan import GpuMetrics, GpuPlan, Plan
-from .problem import Instance, instance_from_workload, split_entries
+from .problem import Instance, check_assumed_lengths, instance_from_workload, split_entries
 from .registry import Method, get_method
 from .search import bisect_smallest
 from .verify import Judges, RepairLog, Verdict, fill_candidate, repair, verify_fills
@@ -91,6 +99,10 @@ class Context:
     capacity: CapacityFn | None = None
     options: GreedyOptions = field(default_factory=GreedyOptions)
     progress: Progress | None = None
+    # a GPU of the workload (its length law): a learned oracle whose training does not cover that law gives way
+    # to the twin (``oracle_of``), and ``fallbacks`` says why, per oracle kind
+    lengths_probe: GpuCandidate | None = None
+    fallbacks: dict[str, str] = field(default_factory=dict)
     _cache: dict = field(default_factory=dict)
 
     def say(self, msg: str) -> None:
@@ -115,7 +127,18 @@ class Context:
         if kind == "twin":
             return self.twin()
         if kind not in self._cache:
-            self._cache[kind] = learned_oracle(self.profile, kind, self.models_dir)
+            probe = self.lengths_probe
+            # the law's shape is known without the models (none was trained on another): they are not loaded
+            why = length_law_problem(probe) if probe is not None else ""
+            oracle = None
+            if not why:
+                oracle = learned_oracle(self.profile, kind, self.models_dir)
+                why = lengths_outside_training(oracle, probe) if probe is not None else ""
+            if oracle is None or why:  # its answers would extrapolate to requests it never saw: the twin answers
+                self.fallbacks[kind] = why
+                self.say(f"the {kind} models were not trained on these lengths ({why}): the twin answers")
+                oracle = self.twin()
+            self._cache[kind] = oracle
         return self._cache[kind]
 
     def twin(self) -> Oracle:
@@ -133,7 +156,8 @@ class Context:
 
     def cap(self, inst: Instance) -> CapacityFn:
         if self.capacity is None:
-            self.capacity = twin_capacity(self.profile, inst.mean_input_tokens, inst.mean_output_tokens)
+            self.capacity = twin_capacity(self.profile, inst.mean_input_tokens, inst.mean_output_tokens,
+                                          lengths=inst.lengths)
         return self.capacity
 
     def lat_cap(self, inst: Instance, seeds: int) -> CapacityFn:
@@ -170,9 +194,9 @@ def verification_latency_row(profile: Profile, inst: Instance, objective: Object
                              capacity: CapacityFn | None = None) -> CapacityFn:
     """The bound's latency row ``L(S)`` for ``inst`` as ``place``'s verification simulates (``bound`` module)."""
     if capacity is None:
-        capacity = twin_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens)
+        capacity = twin_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens, lengths=inst.lengths)
     runs = VerifierRuns(arrivals=arrivals, seeds=tuple(verify_seeds_of(seed, verify_seeds)),
-                        duration_s=VERIFY_DURATION_S)
+                        duration_s=VERIFY_DURATION_S, lengths=inst.lengths)
     return latency_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens, objective, capacity, runs)
 
 
@@ -350,10 +374,14 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
     objective, verify, verify_seeds = config.objective, config.verify, config.verify_seeds
     hard_n_max = config.n_max is not None
     verify_arrivals = config.verify_law(adapters)
-    inst = adapters if isinstance(adapters, Instance) else instance_from_workload(
-        adapters, headroom=config.headroom, mean_input_tokens=config.mean_input_tokens,
-        mean_output_tokens=config.mean_output_tokens)
+    if isinstance(adapters, Instance):
+        inst = adapters
+        check_assumed_lengths(inst, profile, "the instance")
+    else:
+        inst = instance_from_workload(adapters, headroom=config.headroom, mean_input_tokens=config.mean_input_tokens,
+                                      mean_output_tokens=config.mean_output_tokens, profile=profile)
     ctx = Context.of(profile, config, overrides, verify_arrivals, progress)
+    ctx.lengths_probe = inst.candidate(profile, [0], 1)
     n_max = ctx.options.n_max
     settings = {"objective": objective.to_dict(), "headroom": inst.headroom, "seed": int(config.seed),
                 "pool": config.gpus, "pool_role": "cap" if method.greedy else "size",  # what --gpus means
@@ -361,7 +389,7 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
                 "n_max_hard": hard_n_max,
                 "verify_arrivals": _law(verify_arrivals) if verify else None,
                 "split_hot": config.split_hot, "mean_input_tokens": inst.mean_input_tokens,
-                "mean_output_tokens": inst.mean_output_tokens,
+                "mean_output_tokens": inst.mean_output_tokens, "lengths": lengths_record(inst, profile),
                 "oracle": getattr(overrides.oracle, "name", None) or method.oracle or "none",
                 "vllm_version": profile.vllm_version}  # the rule set the twin followed (place --vllm-version)
     # how a measured profile's server ran (serve.sh pins them); left out at the shipped profiles' values
@@ -393,11 +421,13 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
         fills, info, inst = _run(method, inst, ctx, config, bound, diagnostics)
     except Infeasible as e:
         settings["gpus_needed"] = e.gpus_needed
+        _record_fallbacks(ctx, settings)
         return _infeasible(method, profile, settings, bound, diagnostics, str(e), hot=e.hot,
                            placement_ms=(time.perf_counter() - t0) * 1e3)
     load_ms = _loading_ms() - loaded0  # learned models read during the method: reported apart (issue 26)
     placement_ms = (time.perf_counter() - t0) * 1e3 - load_ms
     diagnostics.update(info)
+    _record_fallbacks(ctx, settings)
     fills = _normalise(inst, fills)
 
     verdicts = None
@@ -443,6 +473,27 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
     return plan
 
 
+def lengths_record(inst: Instance, profile: Profile) -> dict:
+    """The request length law a plan was made for, as plan.json's ``settings.lengths`` records it: the law's
+    fields and ``assumed`` (true: the workload gave no lengths and the profile's law was assumed)."""
+    law = inst.length_law(profile)
+    d: dict = {"kind": law.kind, "mean_input_tokens": inst.mean_input_tokens,
+               "mean_output_tokens": inst.mean_output_tokens, "assumed": inst.lengths is None}
+    if law.kind == "lognormal":
+        d["cv"] = float(law.cv)
+    if law.kind == "empirical":
+        d["path"] = law.path
+    return d
+
+
+def _record_fallbacks(ctx: Context, settings: dict) -> None:
+    """Where a learned oracle gave way to the twin (``Context.oracle_of``): plan.json says which and why."""
+    if ctx.fallbacks:
+        settings["oracle_fallback"] = {"from": sorted(ctx.fallbacks), "to": "twin",
+                                       "reason": "; ".join(dict.fromkeys(ctx.fallbacks.values()))}
+        settings["oracle"] = "twin"
+
+
 def verify_plan(plan: Plan, adapters: Instance | Workload, profile: Profile, config: PlaceConfig | None = None,
                 verify_oracle: Oracle | None = None) -> list[Verdict]:
     """Any method's plan judged by ``place()``'s verification with the same settings (``config``'s seeds,
@@ -450,7 +501,9 @@ def verify_plan(plan: Plan, adapters: Instance | Workload, profile: Profile, con
     equal terms. One verdict per GPU of the plan (its adapters at their routing weights, its ``--max-loras``);
     ``verify_oracle`` replaces the twin (toy oracles in tests, evaluate's shared verifier)."""
     config = config if config is not None else PlaceConfig()
-    inst = adapters if isinstance(adapters, Instance) else instance_from_workload(adapters, headroom=config.headroom)
+    inst = adapters if isinstance(adapters, Instance) else instance_from_workload(
+        adapters, headroom=config.headroom, mean_input_tokens=config.mean_input_tokens,
+        mean_output_tokens=config.mean_output_tokens, profile=profile)
     entry = {a: i for i, a in enumerate(inst.adapter_ids)}
     fills = []
     for g in plan.gpus:

@@ -1,7 +1,8 @@
 """A lower bound on the GPUs any plan needs (placement.md §5), so every plan reports its optimality gap.
 
 **Capacity ``K(S)``.** The twin serves one adapter of rank ``S`` (``--max-loras 1``, ``--max-lora-rank S``: the
-largest KV cache), the workload's mean lengths with the profile's length law, arrivals far above capacity (a
+largest KV cache), the workload's length law (``Instance.lengths``: fixed, log-normal with its cv, empirical;
+none given: the profile's law around the workload's means), arrivals far above capacity (a
 client cap of 4,096 waiting requests keeps the queue finite), scheduler overhead zero, 1,800 s; ``C(S)`` = the
 tokens of requests completed in [300 s, 1,800 s] per second. More adapters only add LoRA and scheduler cost
 and take KV memory, so no GPU whose largest rank is ``S`` completes more; a GPU that is not starved has offered
@@ -18,7 +19,7 @@ runs per rank class, cached.
 
 ``C(S)`` and ``L(S)`` are computed lazily and cached on disk, one JSON file in the user cache directory
 (``$LORAPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/lorapack``, else ``~/.cache/lorapack``), keyed by profile
-hash, twin source hash, ``S`` and the rounded mean lengths: the first bound for a profile and lengths costs
+hash, twin source hash, ``S``, the rounded mean lengths and the length law (unless the profile's own): the first bound for a profile and lengths costs
 about a second per rank class, later ones nothing.
 
 **Aggregated MILP** (``scipy.optimize.milp``, HiGHS): one integer ``y_S`` per rank class, continuous demand
@@ -45,6 +46,7 @@ from ..objective import STARVATION_RATIO, Objective
 from ..oracle import CandidateArrivals, default_slot_rank
 from ..profile import Profile
 from ..server import ServerConfig
+from ..spec import LengthsSpec
 from .greedy import N_MAX
 from .problem import Instance
 
@@ -74,13 +76,18 @@ def _twin_source_hash() -> str:
     return h.hexdigest()[:12]
 
 
-def _capacity_key(profile: Profile, slot_rank: int, mean_input_tokens: float, mean_output_tokens: float) -> str:
+def _capacity_key(profile: Profile, slot_rank: int, mean_input_tokens: float, mean_output_tokens: float,
+                  lengths: LengthsSpec | None = None) -> str:
+    from ..oracle import length_law_key
+
+    law = length_law_key(lengths, profile)  # None for the profile's law: keys of older caches stay valid
     return (f"f{CAPACITY_FORMAT}|{profile.gpu}|{profile.model}|{profile.file_hash()}|twin-{_twin_source_hash()}|"
-            f"S{slot_rank}|in{round(mean_input_tokens)}|out{round(mean_output_tokens)}")
+            f"S{slot_rank}|in{round(mean_input_tokens)}|out{round(mean_output_tokens)}"
+            + ("" if law is None else "|law-" + "-".join(str(x) for x in law)))
 
 
 def simulate_capacity_tok_s(profile: Profile, slot_rank: int, mean_input_tokens: float,
-                            mean_output_tokens: float, seed: int = 0) -> float:
+                            mean_output_tokens: float, seed: int = 0, lengths: LengthsSpec | None = None) -> float:
     """``C(S)``: completed tokens/s of one saturated GPU (see the module docstring)."""
     from ..oracle import GpuCandidate, candidate_workload
     from ..profile import SchedulerModel
@@ -102,7 +109,7 @@ def simulate_capacity_tok_s(profile: Profile, slot_rank: int, mean_input_tokens:
     rate = min(2.0 * capacity_bound_tok_s(cfg.step_coef) / tau, 200.0)
     cand = GpuCandidate(profile=prof, ranks=ranks, rates_rps=np.array([rate]),
                         server=ServerConfig(max_loras=1, max_lora_rank=slot_rank),
-                        mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens)
+                        mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens, lengths=lengths)
     req = generate_requests(candidate_workload(cand, CAPACITY_DURATION_S), CAPACITY_DURATION_S, seed)
     _m, res = simulate_requests(prof, ranks, req, flags, CAPACITY_DURATION_S)
     assert res is not None
@@ -121,11 +128,13 @@ def _read_cache(path: Path) -> dict:
 
 
 def twin_capacity(profile: Profile, mean_input_tokens: float, mean_output_tokens: float,
-                  use_cache: bool = True) -> CapacityFn:
-    """``S -> C(S)`` from the twin, cached on disk (see the module docstring)."""
-    return _disk_cached("capacity.json", lambda s: _capacity_key(profile, s, mean_input_tokens, mean_output_tokens),
+                  use_cache: bool = True, lengths: LengthsSpec | None = None) -> CapacityFn:
+    """``S -> C(S)`` from the twin, cached on disk (see the module docstring); ``lengths``: the workload's
+    length law (None: the profile's)."""
+    return _disk_cached("capacity.json",
+                        lambda s: _capacity_key(profile, s, mean_input_tokens, mean_output_tokens, lengths),
                         lambda s: simulate_capacity_tok_s(profile, s, round(mean_input_tokens),
-                                                          round(mean_output_tokens)), use_cache)
+                                                          round(mean_output_tokens), lengths=lengths), use_cache)
 
 
 def _disk_cached(file: str, key_of: Callable[[int], str], compute: Callable[[int], float],
@@ -167,6 +176,7 @@ class VerifierRuns:
     arrivals: CandidateArrivals | None = None
     seeds: tuple[int, ...] = (1000, 1001, 1002)
     duration_s: float = 3600.0
+    lengths: LengthsSpec | None = None  # the workload's length law (None: the profile's)
 
 
 def latency_capacity(profile: Profile, mean_input_tokens: float, mean_output_tokens: float, objective: Objective,
@@ -179,7 +189,8 @@ def latency_capacity(profile: Profile, mean_input_tokens: float, mean_output_tok
     limits = json.dumps(objective.limits(), sort_keys=True)
 
     def key_of(s: int) -> str:
-        return (f"{_capacity_key(profile, s, mean_input_tokens, mean_output_tokens)}|lat{limits}|law-{law}|"
+        return (f"{_capacity_key(profile, s, mean_input_tokens, mean_output_tokens, runs.lengths)}|lat{limits}|"
+                f"law-{law}|"
                 f"seeds{','.join(map(str, runs.seeds))}|{runs.duration_s:g}s")
 
     def compute(s: int) -> float:
@@ -204,7 +215,7 @@ def simulate_latency_capacity_tok_s(profile: Profile, slot_rank: int, mean_input
         cand = GpuCandidate(profile=profile, ranks=np.array([slot_rank]), rates_rps=np.array([rate_rps]),
                             server=ServerConfig(max_loras=1, max_lora_rank=slot_rank),
                             mean_input_tokens=mean_input_tokens,
-                            mean_output_tokens=mean_output_tokens)
+                            mean_output_tokens=mean_output_tokens, lengths=runs.lengths)
         return any(objective.check(TwinOracle.aggregate(cand, [plain.simulate(cand, s)])) is None for s in seeds)
 
     top = top_tok_s / tau
@@ -293,7 +304,7 @@ def lower_bound(inst: Instance, profile: Profile | None = None, *, n_max: int = 
     if capacity is None:
         if profile is None:
             raise LorapackError("lower_bound needs a profile or a capacity function")
-        capacity = twin_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens)
+        capacity = twin_capacity(profile, inst.mean_input_tokens, inst.mean_output_tokens, lengths=inst.lengths)
     slot = np.array([default_slot_rank(int(r)) for r in inst.ranks])
     classes = sorted(set(slot.tolist()))
     k_thr = {s: float(capacity(s)) / STARVATION_RATIO for s in classes}

@@ -198,7 +198,7 @@ class _Walker:
     def _cand(self, rk: np.ndarray, rt: np.ndarray, a: int) -> GpuCandidate:
         # the instance was validated once; slices and padding of it need no re-check
         return GpuCandidate.prevalidated(self.profile, rk, rt, a, self.inst.mean_input_tokens,
-                                         self.inst.mean_output_tokens)
+                                         self.inst.mean_output_tokens, self.inst.lengths)
 
     def _predict(self, cands: list[GpuCandidate]) -> list[Prediction]:
         if not cands:
@@ -373,7 +373,7 @@ def fit_slots(inst: Instance, profile: Profile, oracle: Oracle, objective: Objec
         for a in slot_candidates(len(idx), s, mem, options.slot_grid, top):
             keys.append((g, a))
             cands.append(GpuCandidate.prevalidated(profile, rk, rt, a, inst.mean_input_tokens,
-                                                   inst.mean_output_tokens))
+                                                   inst.mean_output_tokens, inst.lengths))
     preds = dict(zip(keys, oracle.predict(cands) if cands else [], strict=True))
     by_gpu: dict[int, list[int]] = {}
     for g, a in keys:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..errors import LorapackError
 from ..executor import Executor
-from ..oracle import GpuCandidate, Oracle, Prediction, TwinOracle
+from ..oracle import GpuCandidate, Oracle, Prediction, TwinOracle, length_law_key
 from ..profile import Profile
 
 EXACT_DURATION_S = 1200.0
@@ -118,8 +118,10 @@ def run_summary(m) -> dict:
 
 
 def candidate_key(c: GpuCandidate) -> tuple:
+    """What a twin answer depends on: the profile, adapters, flags, mean lengths and the length law."""
     return (c.profile.file_hash(), c.ranks.tobytes(), c.rates_rps.tobytes(), c.max_loras, c.slot_rank,
-            c.cpu_loras, c.max_num_seqs, c.max_num_batched_tokens, c.input_tokens, c.output_tokens)
+            c.cpu_loras, c.max_num_seqs, c.max_num_batched_tokens, c.input_tokens, c.output_tokens,
+            length_law_key(c.lengths, c.profile))
 
 
 @dataclass

@@ -5,6 +5,11 @@ An ``Instance`` is validated once, here, so the methods never see unchecked arra
 ranks integers vLLM can serve (1 ... 512), rates finite and > 0 req/s. Headroom is applied when the instance
 is built (``rates_rps`` are the rates the plan is made for); ``nominal_rates_rps`` keeps the forecast.
 
+Request lengths: ``Instance.lengths`` is the workload's own law (fixed, log-normal with its cv, or empirical),
+which every candidate GPU, the verification and the bound simulate; None when the workload gave none (an
+adapters CSV, a YAML without ``lengths:``): then the profile's log-normal law around the means is assumed
+(``oracle.profile_length_law``) -- what the learned models were trained on -- and plans say so.
+
 Split hot adapters (``--split-hot``) become several *entries* of the instance with the same ``adapter_id``
 and ``weight = 1/k`` each; every method places entries, plans list adapter ids with their weights.
 """
@@ -19,9 +24,10 @@ import numpy as np
 
 from ..errors import SpecError
 from ..objective import Objective
-from ..oracle import GpuCandidate, Prediction
+from ..oracle import GpuCandidate, Prediction, profile_cv, profile_length_law
 from ..profile import VLLM_LORA_RANKS, Profile
 from ..server import ServerConfig
+from ..spec import DEFAULT_MEAN_INPUT_TOKENS, DEFAULT_MEAN_OUTPUT_TOKENS, LengthsSpec
 
 # Plans are made for the forecast rates x (1 + headroom): a margin for forecast error.
 DEFAULT_HEADROOM = 0.2
@@ -48,6 +54,8 @@ class Instance:
     mean_output_tokens: float
     headroom: float = 0.0
     paths: dict[str, str] = field(default_factory=dict)  # adapter id -> weights path (for serve.sh)
+    # the request length law (its means are the fields above); None: none given, the profile's law is assumed
+    lengths: LengthsSpec | None = None
 
     @property
     def n(self) -> int:
@@ -81,10 +89,60 @@ class Instance:
         idx = np.asarray(idx, dtype=np.int64)
         if max_lora_rank is None:  # the instance is validated: no need to check its slices again
             return GpuCandidate.prevalidated(profile, self.ranks[idx], self.rates_rps[idx], max_loras,
-                                             self.mean_input_tokens, self.mean_output_tokens)
+                                             self.mean_input_tokens, self.mean_output_tokens, self.lengths)
         return GpuCandidate(profile=profile, ranks=self.ranks[idx], rates_rps=self.rates_rps[idx],
                             server=ServerConfig(max_loras=int(max_loras), max_lora_rank=max_lora_rank),
-                            mean_input_tokens=self.mean_input_tokens, mean_output_tokens=self.mean_output_tokens)
+                            mean_input_tokens=self.mean_input_tokens, mean_output_tokens=self.mean_output_tokens,
+                            lengths=self.lengths)
+
+    def with_lengths(self, lengths: LengthsSpec | None) -> Instance:
+        """This instance with the request length law ``lengths`` (None: the profile's law assumed): the means
+        become the law's (an empirical law's: its table's). Validated: a ``SpecError`` for anything else."""
+        if lengths is None:
+            return replace(self, lengths=None)
+        if not isinstance(lengths, LengthsSpec):
+            raise SpecError(f"lengths {lengths!r}: expected a lorapack.spec.LengthsSpec")
+        pi, po = law_means(lengths)
+        return replace(self, lengths=lengths, mean_input_tokens=pi, mean_output_tokens=po)
+
+    def length_law(self, profile: Profile) -> LengthsSpec:
+        """The law candidates of this instance are simulated with (``lengths``, else the profile's)."""
+        if self.lengths is not None:
+            return self.lengths
+        return profile_length_law(profile, self.mean_input_tokens, self.mean_output_tokens)
+
+
+def law_means(lengths: LengthsSpec) -> tuple[float, float]:
+    """Mean prompt and output tokens of a length law (an empirical one's: its table's)."""
+    if lengths.kind == "empirical":
+        from ..workload.lengths import load_lengths_table
+
+        tab = load_lengths_table(lengths.path)
+        return float(tab[:, 0].mean()), float(tab[:, 1].mean())
+    return float(lengths.mean_input_tokens), float(lengths.mean_output_tokens)
+
+
+def check_assumed_lengths(inst: Instance, profile: Profile, where: str = "workload") -> None:
+    """An instance without a length law of its own assumes the profile's log-normal law around its means: a
+    ``SpecError`` naming ``where`` when no log-normal with the profile's cv reaches them (and which cv would)."""
+    if inst.lengths is not None:
+        return
+    from ..workload.lengths import largest_reachable_cv, lognormal_reaches
+
+    cv = profile_cv(profile)
+    pi, po = inst.mean_input_tokens, inst.mean_output_tokens
+    if lognormal_reaches(pi, po, cv):
+        return
+    better = largest_reachable_cv(pi, po, cv)
+    if better is None:
+        fix = "no log-normal law does: give the lengths in a YAML workload with kind fixed or empirical"
+    else:
+        law = f"kind: lognormal, mean_input_tokens: {pi:g}, mean_output_tokens: {po:g}, cv: {better:g}"
+        fix = (f"cv {better:g} or less would: give the lengths in a YAML workload, e.g. lengths: {{{law}}}, or kind "
+               f"fixed or empirical")
+    raise SpecError(f"{where} gives no request lengths, so place assumes the profile's log-normal law (cv {cv:g}), "
+                    f"which cannot reach means {pi:g}/{po:g} tokens under the ShareGPT filter (prompt 4...1024, "
+                    f"output >= 4, sum <= 2048); {fix}")
 
 
 def _check_lengths(mean_input_tokens: float, mean_output_tokens: float) -> None:
@@ -133,25 +191,54 @@ def make_instance(adapter_ids: Sequence[str], ranks: Sequence[int] | np.ndarray,
 
 
 def instance_from_workload(workload, *, headroom: float = DEFAULT_HEADROOM, mean_input_tokens: float | None = None,
-                           mean_output_tokens: float | None = None, where: str = "workload") -> Instance:
-    """The instance of a ``lorapack.spec.Workload``: its adapters, rates, paths and mean lengths."""
+                           mean_output_tokens: float | None = None, where: str = "workload",
+                           profile: Profile | None = None) -> Instance:
+    """The instance of a ``lorapack.spec.Workload``: its adapters, rates, paths and length law.
+
+    A workload that gives its lengths (``"lengths" in workload.model_fields_set``: a YAML ``lengths:`` key, a
+    ``Workload(lengths=...)``) is planned with that law, the overrides replacing a fixed or log-normal law's
+    means (an empirical law's means are its table's: overriding them is an error, as in ``simulate``). One that
+    gives none (an adapters CSV) is planned with the profile's law around the means (default 223/197, or the
+    overrides): ``Instance.lengths`` None, which ``profile`` (when given) checks is reachable."""
     from ..spec import TraceArrivals
 
     if isinstance(workload.arrivals, TraceArrivals):
         raise SpecError(f"{where}: trace arrivals carry no per-adapter rates; placement needs 'rate_rps' per "
                         f"adapter (Poisson arrivals)")
-    if workload.lengths.kind == "empirical":
-        from ..workload.lengths import load_lengths_table
-
-        tab = load_lengths_table(workload.lengths.path)
-        pi, po = float(tab[:, 0].mean()), float(tab[:, 1].mean())
+    law: LengthsSpec | None = workload.lengths if "lengths" in workload.model_fields_set else None
+    overrides = {k: v for k, v in (("mean_input_tokens", mean_input_tokens),
+                                   ("mean_output_tokens", mean_output_tokens)) if v is not None}
+    if law is not None and overrides:
+        law = _overridden(law, overrides, where)
+    if law is not None:
+        pi, po = law_means(law)
     else:
-        pi, po = workload.lengths.mean_input_tokens, workload.lengths.mean_output_tokens
-    return make_instance(
-        workload.adapter_ids, workload.ranks, workload.rates_rps,
-        mean_input_tokens=pi if mean_input_tokens is None else mean_input_tokens,
-        mean_output_tokens=po if mean_output_tokens is None else mean_output_tokens,
+        pi = overrides.get("mean_input_tokens", DEFAULT_MEAN_INPUT_TOKENS)
+        po = overrides.get("mean_output_tokens", DEFAULT_MEAN_OUTPUT_TOKENS)
+    inst = make_instance(
+        workload.adapter_ids, workload.ranks, workload.rates_rps, mean_input_tokens=pi, mean_output_tokens=po,
         headroom=headroom, paths={a.adapter_id: a.path for a in workload.adapters if a.path}, where=where)
+    inst = replace(inst, lengths=law)
+    if profile is not None:
+        check_assumed_lengths(inst, profile, where)
+    return inst
+
+
+def _overridden(law: LengthsSpec, overrides: dict[str, float], where: str) -> LengthsSpec:
+    """``law`` with the ``--mean-input-tokens`` / ``--mean-output-tokens`` overrides (validated as the spec)."""
+    from ..spec import Workload
+    from ..workload import with_mean_lengths
+
+    flags = "/".join(f"--{k.replace('_', '-')}" for k in overrides)
+    if law.kind == "empirical":
+        raise SpecError(f"{where}: {flags}: the workload's lengths are 'empirical' (their means are the table's); "
+                        f"expected no mean overrides, or fixed or lognormal lengths")
+    probe = Workload(adapters=[{"adapter_id": "a", "rank": 8, "rate_rps": 1.0}], lengths=law)
+    try:
+        return with_mean_lengths(probe, overrides.get("mean_input_tokens"),
+                                 overrides.get("mean_output_tokens")).lengths
+    except SpecError as e:
+        raise SpecError(f"{where}: {flags}: {e}") from None
 
 
 def split_entries(inst: Instance, replicas: dict[int, int]) -> Instance:

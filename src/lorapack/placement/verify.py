@@ -36,7 +36,7 @@ def fill_candidate(inst: Instance, profile: Profile, f: GpuFill) -> GpuCandidate
     idx = np.asarray(f.entries, dtype=np.int64)
     return GpuCandidate(profile=profile, ranks=inst.ranks[idx], rates_rps=inst.rates_rps[idx] * shares,
                         server=ServerConfig(max_loras=f.max_loras), mean_input_tokens=inst.mean_input_tokens,
-                        mean_output_tokens=inst.mean_output_tokens)
+                        mean_output_tokens=inst.mean_output_tokens, lengths=inst.lengths)
 
 
 @dataclass

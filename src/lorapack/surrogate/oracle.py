@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import LorapackError, SpecError
-from ..oracle import FEATURE_NAMES, GpuCandidate, MemoryRuleOracle, Prediction, features
+from ..oracle import FEATURE_NAMES, GpuCandidate, MemoryRuleOracle, Prediction, features, length_law_problem
 from ..profile import Profile
 from ..server import ServerConfig
 from .modelfile import KINDS, ModelFile, load_model, model_path
@@ -80,7 +80,9 @@ class LearnedOracle(MemoryRuleOracle):
                                 f"model of {self.profile.model} on {self.profile.gpu}")
         X = features(cands)
         p = self.predict_features(X)
-        oor = self.out_of_range(X)
+        # the length law's shape is no feature: a candidate with another law is out of range too
+        oor = ["; ".join(x for x in (o, length_law_problem(c)) if x)
+               for o, c in zip(self.out_of_range(X), cands, strict=True)]
         inc = X[:, FEATURE_NAMES.index("incoming_expected_tok_s")]
         return [Prediction(fits=True, throughput_tok_s=float(p["throughput_ratio"][i] * inc[i]),
                            incoming_tok_s=float(inc[i]), starved=float(p["starved"][i]),

@@ -89,7 +89,10 @@ def _load_yaml(path: Path) -> Workload:
     if isinstance(arrivals, TraceArrivals):
         arrivals = arrivals.model_copy(update={"path": _resolve(base, arrivals.path)})
         _check_data_file(Path(arrivals.path), file, lines.get(("arrivals", "path"), 1), "arrivals.path")
-    workload = Workload(adapters=adapters, lengths=lengths, arrivals=arrivals, duration_s=spec.duration_s)
+    # lengths only when the file gives them: a workload without ``lengths:`` says nothing about its requests'
+    # lengths, and ``place`` then assumes the profile's law (``"lengths" in workload.model_fields_set``)
+    given = {"lengths": lengths} if "lengths" in spec.model_fields_set else {}
+    workload = Workload(adapters=adapters, arrivals=arrivals, duration_s=spec.duration_s, **given)
     _load_data_files(workload, f"{file}:{lines.get(('lengths',), 1)}")
     return workload
 

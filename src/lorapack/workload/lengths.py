@@ -165,35 +165,85 @@ def check_lognormal_reachable(mean_input_tokens: float, mean_output_tokens: floa
         solve_lognormal_lengths(mean_input_tokens, mean_output_tokens, cv)
 
 
-@functools.lru_cache(maxsize=64)
-def solve_lognormal_lengths(
-    mean_input_tokens: float, mean_output_tokens: float, cv: float = 1.1
-) -> LognormalLengths:
-    """Log-normal parameters whose post-filter means are the targets and post-filter CVs are ``cv``."""
+def lognormal_reaches(mean_input_tokens: float, mean_output_tokens: float, cv: float) -> bool:
+    """Whether a log-normal law with ``cv`` reaches the post-filter means (``check_lognormal_reachable``
+    without the error)."""
+    if _solved_key(mean_input_tokens, mean_output_tokens, cv) in _solved():
+        return True
+    return _solve(mean_input_tokens, mean_output_tokens, cv) is not None
 
-    def residual(x: np.ndarray) -> list[float]:
+
+def _residual(x: np.ndarray, mean_input_tokens: float, mean_output_tokens: float, cv: float) -> list[float]:
+    try:
         mp, cp, mo, co, _ = _moments(x[0], math.exp(x[1]), x[2], math.exp(x[3]))
-        return [mp / mean_input_tokens - 1.0, cp - cv, mo / mean_output_tokens - 1.0, co - cv]
+    except OverflowError:  # the solver wandered to a sigma beyond floats: no solution there
+        return [math.nan] * 4
+    return [mp / mean_input_tokens - 1.0, cp - cv, mo / mean_output_tokens - 1.0, co - cv]
 
-    # start from the untruncated log-normal with the target mean and CV; sigmas solved in log space
-    s0 = math.sqrt(math.log1p(cv * cv))
-    x0 = [math.log(mean_input_tokens) - s0 * s0 / 2, math.log(s0), math.log(mean_output_tokens) - s0 * s0 / 2,
-          math.log(s0)]
+
+def _solve(mean_input_tokens: float, mean_output_tokens: float, cv: float) -> np.ndarray | None:
+    """The solver's x (log-normal parameters, sigmas in log space) reaching the targets, or None."""
     key = _solved_key(mean_input_tokens, mean_output_tokens, cv)
     x = _solved().get(key)
     if x is None:
         from scipy.optimize import root  # here, not at import: scipy.optimize costs ~0.3-1 s to import
 
+        # start from the untruncated log-normal with the target mean and CV
+        s0 = math.sqrt(math.log1p(cv * cv))
+        x0 = [math.log(mean_input_tokens) - s0 * s0 / 2, math.log(s0), math.log(mean_output_tokens) - s0 * s0 / 2,
+              math.log(s0)]
         with np.errstate(all="ignore"):
-            x = root(residual, x0, method="hybr", options={"xtol": 1e-12}).x
+            x = root(_residual, x0, args=(mean_input_tokens, mean_output_tokens, cv), method="hybr",
+                     options={"xtol": 1e-12}).x
     with np.errstate(all="ignore"):
-        err = np.abs(residual(x))
+        err = np.abs(_residual(np.asarray(x), mean_input_tokens, mean_output_tokens, cv))
     if not np.all(np.isfinite(err)) or err.max() > 1e-6:
-        raise SpecError(
-            f"lengths: cannot reach post-filter means {mean_input_tokens:g}/{mean_output_tokens:g} tokens with "
+        return None
+    return np.asarray(x, dtype=np.float64)
+
+
+REACHABLE_CV_FLOOR = 0.05  # the smallest cv the error's hint considers (a law that narrow is nearly 'fixed')
+
+
+def largest_reachable_cv(mean_input_tokens: float, mean_output_tokens: float, cv: float) -> float | None:
+    """The largest cv on the 0.01 grid below ``cv`` at which a log-normal law reaches the post-filter means (a
+    larger cv puts more mass beyond the filter, so the reachable cvs form an interval from near 0); None when
+    not even ``REACHABLE_CV_FLOOR`` does (e.g. a prompt mean above 1,024). For the error's hint: bisection on
+    the grid, under ten solves."""
+    def reaches(k: int) -> bool:
+        return _solve(mean_input_tokens, mean_output_tokens, k / 100) is not None
+
+    lo, hi = round(REACHABLE_CV_FLOOR * 100), math.ceil(float(cv) * 100)  # reaches(lo) known, reaches(hi) not
+    if not reaches(lo):
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if reaches(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo / 100
+
+
+def unreachable_message(mean_input_tokens: float, mean_output_tokens: float, cv: float) -> str:
+    """Why no log-normal law with ``cv`` reaches the means, and which cv would (or that none does)."""
+    better = largest_reachable_cv(mean_input_tokens, mean_output_tokens, cv)
+    fix = (f"cv {better:g} or less reaches them (lengths.cv), or use kind 'fixed' or 'empirical'"
+           if better is not None else "no cv does: use kind 'fixed' or 'empirical'")
+    return (f"lengths: cannot reach post-filter means {mean_input_tokens:g}/{mean_output_tokens:g} tokens with "
             f"cv {cv:g} under the ShareGPT filter (P>={MIN_TOKENS}, O>={MIN_TOKENS}, P<={MAX_INPUT_TOKENS}, "
-            f"P+O<={MAX_TOTAL_TOKENS}); expected smaller means or cv, or kind 'empirical'"
-        )
+            f"P+O<={MAX_TOTAL_TOKENS}); {fix}")
+
+
+@functools.lru_cache(maxsize=64)
+def solve_lognormal_lengths(
+    mean_input_tokens: float, mean_output_tokens: float, cv: float = 1.1
+) -> LognormalLengths:
+    """Log-normal parameters whose post-filter means are the targets and post-filter CVs are ``cv``."""
+    key = _solved_key(mean_input_tokens, mean_output_tokens, cv)
+    x = _solve(mean_input_tokens, mean_output_tokens, cv)
+    if x is None:
+        raise SpecError(unreachable_message(mean_input_tokens, mean_output_tokens, cv))
     _remember(key, x)
     mu_p, s_p, mu_o, s_o = float(x[0]), math.exp(x[1]), float(x[2]), math.exp(x[3])
     fo_ok = _cdf(_O_MAX + 0.5, mu_o, s_o) - _cdf(MIN_TOKENS - 0.5, mu_o, s_o)
@@ -245,6 +295,19 @@ def call_cached_by_file(loader, path: str | Path):
     except OSError:
         raise DataError(f"{p}: file not found") from None
     return loader(str(p.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _table_digest_cached(path: str, mtime_ns: int, size: int) -> str:
+    import hashlib
+
+    return hashlib.sha256(_load_lengths_table_cached(path, mtime_ns, size).tobytes()).hexdigest()[:16]
+
+
+def lengths_table_digest(path: str | Path) -> str:
+    """A digest of a lengths table's pairs (cached by file identity): what identifies an empirical law in
+    caches, so an edited table is simulated again."""
+    return call_cached_by_file(_table_digest_cached, path)
 
 
 def load_lengths_table(path: str | Path) -> np.ndarray:
