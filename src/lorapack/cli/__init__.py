@@ -25,6 +25,7 @@ from . import (
     measure,
     place,
     profiles,
+    rates,
     refine_trees,
     serve,
     simulate,
@@ -57,7 +58,7 @@ for _name, _fn in (("simulate", simulate.simulate), ("validate", validate.valida
                    ("demo", demo.demo), ("sweep", sweep.sweep), ("measure", measure.measure),
                    ("calibrate", calibrate.calibrate),
                    ("train", train.train), ("refine", refine_trees.refine), ("explain", explain.explain),
-                   ("place", place.place), ("evaluate", evaluate.evaluate)):
+                   ("place", place.place), ("evaluate", evaluate.evaluate), ("rates", rates.rates)):
     _command(_name, _fn)
 # vllm serve's other flags reach ``serve`` as extra arguments (a warning each: the twin ignores them)
 app.command("serve", short_help=" ".join((serve.serve.__doc__ or "").strip().split("\n\n")[0].split()),

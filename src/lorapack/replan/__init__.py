@@ -1,0 +1,1 @@
+"""Operating a fleet as traffic drifts: rates from observed traffic (``rates``); docs/replan.md."""
