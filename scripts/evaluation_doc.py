@@ -11,7 +11,9 @@ and tables. Nothing is computed here that is not in the results file.
 
 Several RESULTS_DIRs are merged in the order given (their scenarios and Max_pack curves; a scenario name in two
 of them is an error): a study can be rerun in parts, e.g. one model's files after its profile changed. The
-header then gives every part's wall time.
+header then gives every part's measured wall time (``wall_s`` of its results file). Results of the old
+smallest-pool protocol (format 1: the pool methods' pools searched on the replay window) are labelled so, and
+are not merged with results of the fair protocol (format 2), whose tables would then mix two meanings of "GPUs".
 """
 
 from __future__ import annotations
@@ -62,6 +64,34 @@ def merge_results(parts: list[dict]) -> dict:
     return doc
 
 
+OLD_PROTOCOL_NOTE = ("**Old protocol** (results format 1, before issue 26): the pool methods' smallest pools were "
+                     "searched on the replay window itself (today's best case); there is no fair column.\n")
+
+
+def wall_text(wall_s: float | None) -> str:
+    """A measured wall time as "12 min 34 s" (or "not recorded")."""
+    if wall_s is None:
+        return "not recorded"
+    m, s = divmod(round(wall_s), 60)
+    return f"{m} min {s} s" if m else f"{s} s"
+
+
+def header(parts: list[dict], doc: dict, rel: Path) -> str:
+    """The results section's first line: scenarios, each part's measured wall time, budget, source."""
+    walls = [wall_text(p.get("wall_s")) for p in parts]
+    if len(parts) > 1:
+        when = "; ".join(f"part {i + 1} ({len(p['scenarios'])} scenarios) {w}"
+                         for i, (p, w) in enumerate(zip(parts, walls, strict=True)))
+        wall = f"wall time {when} ({len(parts)} runs, merged)"
+    else:
+        wall = f"{walls[0]} wall"
+    skipped = doc.get("skipped") or []
+    head = (f"{len(doc['scenarios'])} scenarios, {wall}"
+            + (f" (budget {doc['budget_s']:g} s; skipped: {len(skipped)} units)" if doc.get("budget_s") else "")
+            + f". Source: `{rel}/results.json`.\n")
+    return head + ("\n" + OLD_PROTOCOL_NOTE if doc.get("format", 1) < 2 else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results_dir", type=Path, nargs="+")
@@ -75,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {src} not found (run lorapack evaluate --out {d} first)", file=sys.stderr)
             return 2
         parts.append(json.loads(src.read_text()))
+    formats = sorted({min(p.get("format", 1), 2) for p in parts})
+    if len(formats) > 1:
+        print("error: these results mix the old smallest-pool protocol (format 1) with the fair one (format 2); "
+              "rerun the old parts", file=sys.stderr)
+        return 2
     try:
         doc = merge_results(parts)
     except ValueError as e:
@@ -87,12 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     names = study_figures(doc, args.figures)
     rel = args.figures.resolve().relative_to(args.doc.resolve().parent)
     write_text_atomic(args.figures / "results.json", json.dumps(json_safe(_slim(doc)), indent=1) + "\n")
-    skipped = doc.get("skipped") or []
-    walls = " + ".join("?" if p.get("wall_s") is None else f"{p['wall_s'] / 60:.0f}" for p in parts)
-    head = (f"{len(doc['scenarios'])} scenarios, {walls} min wall"
-            + (f" ({len(parts)} runs, merged)" if len(parts) > 1 else "")
-            + (f" (budget {doc['budget_s']:g} s; skipped: {len(skipped)} units)" if doc.get("budget_s") else "")
-            + f". Source: `{rel}/results.json`.\n")
+    head = header(parts, doc, rel)
     body = head + "\n" + study_markdown(doc, [f"{rel}/{n}" for n in names])
     before, rest = text.split(BEGIN, 1)
     _, after = rest.split(END, 1)

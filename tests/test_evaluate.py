@@ -25,7 +25,7 @@ from lorapack.workload.trace import load_trace
 
 FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 CONTRACT_KEYS = {"gpus_used", "gpus_used_fixed_pool", "lower_bound_gpus", "starved_gpus", "oom_gpus",
-                 "throughput_tok_s", "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "placement_ms"}
+                 "throughput_tok_s", "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "placement_ms", "gpus_used_best_case"}
 
 
 @pytest.fixture(scope="module")
@@ -263,11 +263,7 @@ def test_smallest_clean_pool_finds_the_threshold(start, threshold):
         def __init__(self, g):
             self.gpus_used, self.infeasible = g, False
 
-    class R:
-        def __init__(self, g):
-            self.clean = g >= threshold
-
-    best, probes = smallest_clean_pool(P, lambda p: R(p.gpus_used), start, 1, 32)
+    best, probes = smallest_clean_pool(P, lambda p: p.gpus_used >= threshold, start, 1, 32)
     assert best == (threshold if threshold <= 32 else None)
     assert len(probes) <= 12
 
@@ -435,44 +431,81 @@ def test_the_verifier_is_shared_across_protocols_without_changing_a_verdict(tmp_
     assert _untimed(shared["scenarios"]) == _untimed(fresh["scenarios"])
 
 
-class _CautiousPack(ToyPlacer):
-    """toy-pack fills GPUs to a tenth of the capacity (many GPUs); its verifier fails any GPU above half of it."""
+class _StrictVerifier(ToyPlacer):
+    """The toy methods, with a verifier (the planners' test, as ``PlacementPlacer.verify``) that fails a GPU whose
+    estimated tokens exceed ``limit`` x the toy capacity: far stricter than the twin's replay, so the fair pool
+    (verified) and the best case (replay-searched) differ. It records what it was shown."""
 
-    def place(self, workload, profile, req):
-        if req.method not in self.pack:
-            return super().place(workload, profile, req)
-        full, self.capacity = self.capacity, self.capacity / 10
-        try:
-            return super().place(workload, profile, req)
-        finally:
-            self.capacity = full
+    def __init__(self, limit: float = 0.3, **kw) -> None:
+        super().__init__(**kw)
+        self.limit = limit
+        self.verified: list[tuple[str, int, str, tuple[float, ...]]] = []
+
+    def gpu_loads(self, workload, plan) -> list[float]:
+        rate = {a.adapter_id: a.rate_rps for a in workload.adapters}
+        return [sum(rate[a] for a in gp.adapters) * self._tau(workload) for gp in plan.gpus]
 
     def verify(self, workload, profile, req, plan):
-        self.verified.append((req.method, plan.method, plan.gpus_used))
-        rate = {a.adapter_id: a.rate_rps for a in workload.adapters}
-        tau = self._tau(workload)
-        bad = [g for g, gp in enumerate(plan.gpus) if sum(rate[a] for a in gp.adapters) * tau > self.capacity / 2]
+        self.verified.append((req.method, plan.gpus_used, workload.arrivals.kind,
+                              tuple(a.rate_rps for a in workload.adapters)))
+        bad = [g for g, x in enumerate(self.gpu_loads(workload, plan)) if x > self.limit * self.capacity]
         return {"passed": not bad, "failed_gpus": len(bad), "details": [f"GPU {g}: throughput" for g in bad]}
 
 
-def test_a_baseline_pool_smaller_than_the_verified_plan_is_judged_by_the_same_verification(tmp_path, trace_file):
+def test_pool_methods_are_sized_by_the_greedy_methods_verification_not_by_the_replay(tmp_path, trace_file):
+    """Issue 26 item 7: a pool method's smallest pool is the smallest one whose plan passes the verification the
+    greedy methods pass (estimation window only); the replay-searched pool is kept as ``gpus_used_best_case``.
+    The old protocol reported the replay-searched pool as ``gpus_used``: this test fails on it."""
     sc = load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: 24\nload_scale: 6\nmax_pack: false\n"
-                                                             "objective: throughput\n"))
-    toy = _CautiousPack()
-    toy.verified = []
-    doc = evaluate_scenarios(sc, toy, methods=("toy-pack", "toy-deal"))
-    res = doc["scenarios"][0]["methods"]
-    assert res["toy-deal"]["gpus_used"] < res["toy-pack"]["gpus_used"]
-    pv = res["toy-deal"]["proposed_verification"]
-    assert toy.verified == [("toy-deal", "toy-deal", res["toy-deal"]["gpus_used"])]
-    assert set(pv) == {"passed", "failed_gpus", "details"} and len(pv["details"]) == pv["failed_gpus"]
-    assert "proposed_verification" not in res["toy-pack"]
-    # a scenario without verification: nothing to compare with
+                                                             "weights: uniform\nobjective: throughput\n"))
+    toy = _StrictVerifier()
+    doc = evaluate_scenarios(sc, toy, methods=("toy-pack", "toy-deal"), keep_plans=True)
+    assert doc["format"] == 2 and doc["smallest_pool_protocol"] == "verified"
+    entry = doc["scenarios"][0]
+    deal = entry["methods"]["toy-deal"]
+    # what the verifier was shown: the estimation window's rates and arrival law, never the replay
+    from lorapack.evaluate.runner import derive_for, load_scenario_profile
+
+    derived = derive_for(sc[0], load_scenario_profile(sc[0]))
+    assert {v[2] for v in toy.verified} == {"modulated"}
+    assert {v[3] for v in toy.verified} == {tuple(derived.rates_rps.tolist())}
+    # the fair pool: the smallest toy-deal pool every GPU of which passes, found by brute force here
+    wl = derived.workload(rate_profile=True)
+    from lorapack.evaluate.methods import PlaceRequest
+
+    def deal_ok(g: int) -> bool:
+        plan = ToyPlacer().place(wl, load_scenario_profile(sc[0]), PlaceRequest("toy-deal", g, "throughput", None,
+                                                                                None, True, 0))
+        return all(x <= toy.limit * toy.capacity for x in toy.gpu_loads(wl, plan))
+
+    fair = next(g for g in range(1, 25) if deal_ok(g))
+    assert deal["verified"] is True and deal["gpus_used"] == fair
+    assert entry["plans"]["toy-deal/smallest"]["gpus_used"] == fair
+    # the best case: the smallest pool whose replay is clean (the old protocol's answer), smaller here
+    best = deal["best_case"]
+    assert best["replay_clean"] is True and deal["gpus_used_best_case"] == best["gpus_used"] < fair
+    assert best["passes_verification"] is False and best["failed_verification_gpus"] >= 1
+    assert entry["plans"]["toy-deal/best_case"]["gpus_used"] == best["gpus_used"]
+    # a greedy method is not searched: no best case; its own (verified) count is its answer
+    pack = entry["methods"]["toy-pack"]
+    assert pack["gpus_used_best_case"] is None and "best_case" not in pack and pack["gpus_used"] == pack["self_gpus"]
+    assert CONTRACT_KEYS <= set(deal) and CONTRACT_KEYS <= set(pack)
+    # without verification (the greedy methods are not verified either) the method's own count is its answer
     sc2 = load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: 24\nload_scale: 6\nmax_pack: false\n"
-                                                              "objective: throughput\nverify: false\n"))
+                                                              "weights: uniform\nobjective: throughput\nverify: false\n"))
     toy.verified = []
-    doc = evaluate_scenarios(sc2, toy, methods=("toy-pack", "toy-deal"))
-    assert toy.verified == [] and "proposed_verification" not in doc["scenarios"][0]["methods"]["toy-deal"]
+    deal2 = evaluate_scenarios(sc2, toy, methods=("toy-deal",))["scenarios"][0]["methods"]["toy-deal"]
+    assert toy.verified == [] and deal2["verified"] is False and deal2["gpus_used"] == deal2["self_gpus"]
+    assert deal2["gpus_used_best_case"] == best["gpus_used"]
+
+
+def test_no_verified_pool_up_to_the_cap_is_none_with_the_best_case_kept(tmp_path, trace_file):
+    sc = load_scenarios(_scenario_file(tmp_path, trace_file, "n_adapters: 24\nload_scale: 6\nmax_pack: false\n"
+                                                             "weights: uniform\nobjective: throughput\n"))
+    deal = evaluate_scenarios(sc, _StrictVerifier(limit=1e-6), methods=("toy-deal",))["scenarios"][0]["methods"][
+        "toy-deal"]
+    assert deal["gpus_used"] is None and deal["no_verified_pool"] is True and deal["gap_gpus"] is None
+    assert deal["gpus_used_best_case"] is not None and deal["best_case"]["passes_verification"] is False
 
 
 def test_demo_with_a_toy_placer(tmp_path, monkeypatch, capsys, data_dir):
@@ -563,24 +596,37 @@ def test_jobs_give_the_same_results(tmp_path, trace_file, monkeypatch, capsys):
     assert docs[0]["scenarios"] == docs[1]["scenarios"] and len(docs[0]["scenarios"]) == 4
 
 
-def test_the_report_says_whether_a_smaller_baseline_plan_passes_our_verification():
-    from lorapack.evaluate.report import acceptance, summary_markdown
+def test_the_report_holds_proposed_to_verified_baseline_pools_and_shows_the_best_case():
+    from lorapack.evaluate.report import acceptance, compact_table, fair_best_rows, summary_markdown
 
-    def sc(name: str, pv: dict | None) -> dict:
-        lora = {"gpus_used": 3, "gpus_used_fixed_pool": None}
-        if pv is not None:
-            lora["proposed_verification"] = pv
+    def sc(name: str, fair: int, best: int, passes: bool | None) -> dict:
+        lora = {"gpus_used": fair, "gpus_used_fixed_pool": None, "verified": True, "replay_clean": True,
+                "gpus_used_best_case": best, "best_case": {"gpus_used": best, "replay_clean": True}}
+        if passes is not None:
+            lora["best_case"].update(passes_verification=passes, failed_verification_gpus=0 if passes else 2)
         return {"name": name, "n_adapters": 64, "lower_bound_gpus": 3,
-                "methods": {"proposed": {"gpus_used": 4, "gpus_used_fixed_pool": None}, "loraserve": lora,
-                            "dlora": {"gpus_used": 4, "gpus_used_fixed_pool": None}}}
+                "scenario": {"model": "llama-3.1-8b-instruct", "ranks": [8, 16], "n_adapters": 64, "load_scale": 1,
+                             "objective": "default"},
+                "methods": {"proposed": {"gpus_used": 4, "gpus_used_fixed_pool": None, "gpus_used_best_case": None},
+                            "loraserve": lora}}
 
-    doc = {"scenarios": [sc("a", {"passed": False, "failed_gpus": 2, "details": []}),
-                         sc("b", {"passed": True, "failed_gpus": 0, "details": []}), sc("c", None)],
-           "max_pack": []}
-    more = acceptance(doc)["vs_baselines"]["more_gpus"]
-    assert [(x["scenario"], x["baseline_passes_verification"]) for x in more] == [("a", False), ("b", True),
-                                                                                   ("c", None)]
+    # a: a verified loraserve pool of 3 < proposed's 4 (the rule broken); b: fair 4 = proposed, best case 3
+    doc = {"scenarios": [sc("a", 3, 3, True), sc("b", 4, 3, False), sc("c", 5, 4, None)], "max_pack": []}
+    a = acceptance(doc)
+    assert [(x["scenario"], x["baseline_passes_verification"]) for x in a["vs_baselines"]["more_gpus"]] == [
+        ("a", True)]
+    assert [(x["scenario"], x["baseline_passes_verification"]) for x in a["vs_best_case"]["more_gpus"]] == [
+        ("a", True), ("b", False)]
     text = summary_markdown(doc)
-    assert "a vs loraserve (4 > 3; its plan fails our verification on 2 GPU(s))" in text
-    assert "b vs loraserve (4 > 3; its plan passes our verification)" in text and "c vs loraserve (4 > 3)" in text
+    assert "MORE GPUs than a baseline in 1 case(s), 1 of them against a plan that passes the verification" in text
+    assert "b vs loraserve (4 > 3; its plan fails our verification on 2 GPU(s))" in text
     assert "passes the verification `proposed`'s plans must pass in 1 of 2" in text
+    rows = fair_best_rows(doc)
+    assert rows == [{"method": "loraserve", "scenarios": 3, "fair_found": 3, "best_found": 3, "gpus_fair": 12,
+                     "gpus_best": 10, "fair_more": 2, "equal": 1, "fair_fewer": 0, "fair_clean": 3,
+                     "best_passes": 1, "best_judged": 2}]
+    table = compact_table(doc)
+    assert "| 4 | 4 / 3 |" in table and "| 4 | – |" not in table
+    # the rule kept: no verified baseline pool below proposed's
+    ok = {"scenarios": [sc("b", 4, 3, False)], "max_pack": []}
+    assert "never more GPUs than a baseline plan that passes the same verification" in summary_markdown(ok)

@@ -166,32 +166,38 @@ def evaluate(
 
 
 def _print_tables(doc: dict) -> None:
-    from ..evaluate.report import summary_markdown
+    from ..evaluate.report import load_text, summary_markdown
 
     for sc in doc["scenarios"]:
         s, w = sc["scenario"], sc["workload"]
-        t = Table(title=f"{sc['name']}: {s['n_adapters']} adapters, ×{s['load_scale']:g} "
-                        f"({w['aggregate_rate_rps']:.1f} req/s), ranks {s['ranks']}, {s['model']}, objective "
-                        f"{s['objective']}; lower bound {sc['lower_bound_gpus']} GPUs",
+        t = Table(title=f"{sc['name']}: {s['n_adapters']} adapters, ×{s['load_scale']:g} ({load_text(w)}), "
+                        f"ranks {s['ranks']}, {s['model']}, objective {s['objective']}; lower bound "
+                        f"{sc['lower_bound_gpus']} GPUs",
                   title_justify="left")
-        for c in ("method", "GPUs", "clean", "fixed pool", "starved", "OOM", "lat. viol.", "thr tok/s", "ITL ms",
-                  "TTFT s", "TTFT p99 s", "place ms"):
+        for c in ("method", "GPUs", "clean", "best case", "fixed pool", "starved", "OOM", "lat. viol.", "thr tok/s",
+                  "ITL ms", "TTFT s", "TTFT p99 s", "place ms"):
             t.add_column(c, justify="right" if c != "method" else "left")
         for m, r in sc["methods"].items():
             if r.get("error"):
-                t.add_row(m, f"[red]error[/red]: {r['error']}", *["-"] * 10)
+                t.add_row(m, f"[red]error[/red]: {r['error']}", *["-"] * 11)
                 continue
             if r.get("infeasible"):
-                t.add_row(m, "[red]infeasible[/red]", "-", fmt(r.get("gpus_used_fixed_pool")), *["-"] * 7,
+                t.add_row(m, "[red]infeasible[/red]", "-", "-", fmt(r.get("gpus_used_fixed_pool")), *["-"] * 7,
                           fmt(r.get("placement_ms"), 2))
                 continue
             g = r.get("gpus_used")
+            best = r.get("best_case")
             t.add_row(m, fmt(g) if g is not None else "[red]none[/red]",
                       "[green]yes[/green]" if r.get("replay_clean") else "[red]no[/red]",
+                      "-" if best is None else fmt(best.get("gpus_used")) if best.get("gpus_used") is not None
+                      else "[red]none[/red]",
                       fmt(r.get("gpus_used_fixed_pool")), fmt(r.get("starved_gpus")), fmt(r.get("oom_gpus")),
                       fmt(r.get("latency_violation_gpus")), fmt(r.get("throughput_tok_s"), 0),
                       fmt(r.get("itl_mean_ms")), fmt(r.get("ttft_mean_s"), 2), fmt(r.get("ttft_p99_s"), 1),
                       fmt(r.get("placement_ms"), 2))
         console.print(t)
     if doc["scenarios"]:
+        console.print("GPUs: the fair smallest pool (a pool method's smallest pool whose plan passes the greedy methods' "
+                      "verification on the estimation window); best case: a pool method's smallest pool whose replay is "
+                      "clean (searched on the replay window, which no planner sees).", markup=False)
         console.print(summary_markdown(doc))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..executor import Executor
-from .runner import RESULTS_FORMAT, Budget, evaluate_scenarios
+from .runner import RESULTS_FORMAT, SMALLEST_POOL_PROTOCOL, Budget, evaluate_scenarios
 from .scenario import Scenario
 
 
@@ -50,6 +50,7 @@ def evaluate_parallel(scenarios: list[Scenario], methods: tuple[str, ...] | None
             if on_group:
                 on_group(doc)
     docs = [done[i] for i in range(len(groups))]
-    return {"format": RESULTS_FORMAT, "scenarios": [s for d in docs for s in d["scenarios"]],
+    return {"format": RESULTS_FORMAT, "smallest_pool_protocol": SMALLEST_POOL_PROTOCOL,
+            "scenarios": [s for d in docs for s in d["scenarios"]],
             "max_pack": [c for d in docs for c in d["max_pack"]], "skipped": [k for d in docs for k in d["skipped"]],
             "budget_s": budget_s, "wall_s": time.monotonic() - started, "jobs": jobs}

@@ -29,8 +29,8 @@ def contract_json(doc: dict[str, Any]) -> dict[str, Any]:
     """``{"scenarios": [{"name", "n_adapters", "load_scale", "methods": {METHOD: {...}}}]}`` plus extras."""
     keys = CONTRACT_KEYS
     extra = ("error", "infeasible", "reason", "replay_clean", "latency_violation_gpus", "starved_adapters",
-             "verification_added_gpus", "self_gpus", "gap_gpus", "no_clean_pool", "fixed_pool", "ttft_penalised_s",
-             "throughput_ratio", "incoming_tok_s")
+             "verification_added_gpus", "self_gpus", "gap_gpus", "no_clean_pool", "no_verified_pool", "verified",
+             "best_case", "fixed_pool", "ttft_penalised_s", "throughput_ratio", "incoming_tok_s")
     out = []
     for sc in doc["scenarios"]:
         methods = {}
@@ -62,6 +62,41 @@ def _methods() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     return report_baselines(), method_names("greedy"), tuple(m.name for m in methods() if m.paper_fixed_pool)
 
 
+def _fair_pool(r: dict[str, Any]) -> tuple[int | None, bool | None, int | None]:
+    """A baseline's smallest pool under the fair protocol: (GPUs, passes the greedy methods' verification, GPUs
+    failing it). Its plan passed that verification by construction where the scenario verifies (``verified``)."""
+    return r.get("gpus_used"), (True if r.get("verified") else None), None
+
+
+def _best_pool(r: dict[str, Any]) -> tuple[int | None, bool | None, int | None]:
+    """A baseline's best case (the replay-searched pool), and what the verification says of its plan."""
+    bc = r.get("best_case") or {}
+    return bc.get("gpus_used"), bc.get("passes_verification"), bc.get("failed_verification_gpus")
+
+
+def _compare(planned: list[dict], method: str, baselines: tuple[str, ...], pool: Any) -> dict[str, Any]:
+    """``method``'s GPUs against each baseline's (``pool(result)``: GPUs, passes verification, failed GPUs):
+    the cases where it uses more, and ties / fewer per baseline (a baseline without a pool counts as fewer)."""
+    more, ties, fewer = [], defaultdict(int), defaultdict(int)
+    for sc in planned:
+        g = sc["methods"][method].get("gpus_used")
+        for b in baselines:
+            r = sc["methods"].get(b)
+            if r is None or g is None or r.get("error"):
+                continue
+            gb, passes, failed = pool(r)
+            if gb is None:  # no pool (or infeasible): the method wins
+                fewer[b] += 1
+            elif g > gb:
+                more.append({"scenario": sc["name"], "baseline": b, "gpus": g, "baseline_gpus": gb,
+                             "baseline_passes_verification": passes, "baseline_failed_gpus": failed})
+            elif g == gb:
+                ties[b] += 1
+            else:
+                fewer[b] += 1
+    return {"more_gpus": more, "ties": dict(ties), "fewer": dict(fewer)}
+
+
 def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
     """The issue's acceptance figures for ``method`` over the scenarios that ran it."""
     rows = [sc for sc in doc["scenarios"] if method in sc["methods"] and not sc["methods"][method].get("error")]
@@ -85,25 +120,6 @@ def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
                                "fraction": len(near) / len(small) if small else None,
                                "target": GAP_TARGET, "met": (len(near) / len(small) >= GAP_TARGET) if small else None,
                                "misses": [sc["name"] for sc in small if sc not in near]}
-    more, ties, fewer = [], defaultdict(int), defaultdict(int)
-    for sc in planned:
-        g = sc["methods"][method].get("gpus_used")
-        for b in baselines:
-            r = sc["methods"].get(b)
-            if r is None or g is None or r.get("error"):
-                continue
-            gb = r.get("gpus_used")
-            if gb is None:  # no replay-clean pool (or infeasible): the method wins
-                fewer[b] += 1
-            elif g > gb:
-                pv = r.get("proposed_verification") or {}
-                more.append({"scenario": sc["name"], "baseline": b, "gpus": g, "baseline_gpus": gb,
-                             "baseline_passes_verification": pv.get("passed"),
-                             "baseline_failed_gpus": pv.get("failed_gpus")})
-            elif g == gb:
-                ties[b] += 1
-            else:
-                fewer[b] += 1
     lost = []
     for sc in rows:
         if sc in planned:
@@ -111,8 +127,8 @@ def acceptance(doc: dict[str, Any], method: str = PROPOSED) -> dict[str, Any]:
         have = [b for b in baselines if (sc["methods"].get(b) or {}).get("gpus_used") is not None]
         if have:
             lost.append({"scenario": sc["name"], "baselines": have})
-    out["vs_baselines"] = {"more_gpus": more, "ties": dict(ties), "fewer": dict(fewer),
-                           "no_plan_where_baseline_has_one": lost}
+    out["vs_baselines"] = {**_compare(planned, method, baselines, _fair_pool), "no_plan_where_baseline_has_one": lost}
+    out["vs_best_case"] = _compare(planned, method, baselines, _best_pool)
     savings: dict[str, Any] = {}
     for b in paper:
         pairs = []
@@ -139,7 +155,7 @@ def _method_row(m: str, r: dict[str, Any]) -> list[str]:
     if r.get("error"):
         return [m, f"error: {r['error']}", *["–"] * (len(METHOD_COLUMNS) - 2)]
     if r.get("infeasible"):
-        return [m, "infeasible", "–", "–", fmt(r.get("gpus_used_fixed_pool")), "–", "–", "–", "–", "–", "–",
+        return [m, "infeasible", "–", "–", "–", fmt(r.get("gpus_used_fixed_pool")), "–", "–", "–", "–", "–", "–",
                 fmt(r.get("placement_ms")), "–"]
     g = r.get("gpus_used")
     gtxt = fmt(g) if g is not None else f"none ≤ {max((p['pool'] for p in r.get('search', [])), default='?')}"
@@ -150,19 +166,24 @@ def _method_row(m: str, r: dict[str, Any]) -> list[str]:
     elif "gpus_used" in fixed and not fixed.get("replay_clean", True):
         ftxt += f" ({fixed.get('starved_gpus', 0)} st, {fixed.get('oom_gpus', 0)} oom)"
     added = r.get("verification_added_gpus")
-    return [m, gtxt, fmt(r.get("replay_clean")), fmt(r.get("gap_gpus")), ftxt, fmt(r.get("starved_gpus")),
-            fmt(r.get("oom_gpus")), fmt(r.get("latency_violation_gpus")), fmt(r.get("throughput_tok_s"), 0),
-            fmt(r.get("itl_mean_ms")), f"{fmt(r.get('ttft_mean_s'), 2)} / {fmt(r.get('ttft_p99_s'), 1)}",
-            fmt(r.get("placement_ms"), 2), "–" if added is None else f"+{added}"]
+    return [m, gtxt, fmt(r.get("replay_clean")), _cell(r, "gpus_used_best_case"), fmt(r.get("gap_gpus")), ftxt,
+            fmt(r.get("starved_gpus")), fmt(r.get("oom_gpus")), fmt(r.get("latency_violation_gpus")),
+            fmt(r.get("throughput_tok_s"), 0), fmt(r.get("itl_mean_ms")),
+            f"{fmt(r.get('ttft_mean_s'), 2)} / {fmt(r.get('ttft_p99_s'), 1)}", fmt(r.get("placement_ms"), 2),
+            "–" if added is None else f"+{added}"]
 
 
-LEGEND = ("GPUs = smallest pool whose replay is clean (no refused GPU, no GPU and no adapter starved, every GPU "
-          "within the latency objective; searched for the pool methods, the method's own count for the greedy ones); `N!` = a plan "
-          "whose replay is not clean (a greedy method's own plan, or any fixed-pool plan); `none` = no clean pool up "
-          "to the search cap; `inf.` = the method declared the workload infeasible; `err.` = the method could not "
-          "run; LB = lower bound with the N_max row (without it in parentheses when lower).\n")
-METHOD_COLUMNS = ("method", "GPUs (smallest, clean)", "clean", "gap", "GPUs fixed pool", "starved", "OOM",
-                  "latency viol.", "thr tok/s", "ITL ms", "TTFT mean / p99 s", "place ms", "verify")
+LEGEND = ("GPUs = the smallest pool under the fair protocol: a greedy method's own count (its plan passed twin "
+          "verification on the estimation window); for a pool method, the smallest pool whose plan passes the same "
+          "verification (estimation window, same arrival law, seeds and headroom; nothing of the replay window), "
+          "replayed as is. *Best case* (pool methods, after the `/`) = the smallest pool whose replay is clean, "
+          "searched on the replay window itself, which no planner can see (the protocol before issue 26). Clean = "
+          "no refused GPU, no GPU and no adapter starved, every GPU within the latency objective. `N!` = a plan whose "
+          "replay is not clean; `none` = no passing pool up to the search cap; `inf.` = the method declared the "
+          "workload infeasible; `err.` = the method could not run; `–` = not applicable; LB = lower bound with the "
+          "N_max row (without it in parentheses when lower).\n")
+METHOD_COLUMNS = ("method", "GPUs (smallest, fair)", "clean", "GPUs best case", "gap", "GPUs fixed pool", "starved",
+                  "OOM", "latency viol.", "thr tok/s", "ITL ms", "TTFT mean / p99 s", "place ms", "verify")
 
 
 def _table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> str:
@@ -200,30 +221,45 @@ def _method_summary(doc: dict[str, Any], method: str) -> str:
                      + (f"; misses: {', '.join(near['misses'])}" if near["misses"] else "") + ".")
     vs = a["vs_baselines"]
     if vs["more_gpus"]:
-        worse = "; ".join(f"{x['scenario']} vs {x['baseline']} ({x['gpus']} > {x['baseline_gpus']}"
-                          + _verified_note(x) + ")" for x in vs["more_gpus"])
-        lines.append(f"- Smallest pools: MORE GPUs than a baseline in {len(vs['more_gpus'])} case(s): {worse}.")
-        passing = [x for x in vs["more_gpus"] if x.get("baseline_passes_verification")]
-        judged = [x for x in vs["more_gpus"] if x.get("baseline_passes_verification") is not None]
-        if judged:
-            lines.append(f"- Of these, the baseline's smaller plan passes the verification `{method}`'s plans must "
-                         f"pass in {len(passing)} of {len(judged)}; the others passed the single replay window "
-                         f"only (the smallest-pool search sees the replay window, verification does not).")
+        worse = "; ".join(f"{x['scenario']} vs {x['baseline']} ({x['gpus']} > {x['baseline_gpus']})"
+                          for x in vs["more_gpus"])
+        verified = [x for x in vs["more_gpus"] if x.get("baseline_passes_verification")]
+        lines.append(f"- Smallest pools (fair): MORE GPUs than a baseline in {len(vs['more_gpus'])} case(s), "
+                     f"{len(verified)} of them against a plan that passes the verification `{method}`'s plans "
+                     f"must pass (the rule is that there are none): {worse}.")
     else:
-        lines.append("- Smallest pools: never more GPUs than any baseline where it returned a plan.")
+        lines.append("- Smallest pools (fair): never more GPUs than a baseline plan that passes the same "
+                     "verification, nor than any baseline where it returned a plan.")
     if vs["no_plan_where_baseline_has_one"]:
-        lines.append("- No plan where a baseline has a clean one: " + "; ".join(
+        lines.append("- No plan where a baseline has one: " + "; ".join(
             f"{x['scenario']} ({', '.join(x['baselines'])})" for x in vs["no_plan_where_baseline_has_one"]) + ".")
     if vs["ties"] or vs["fewer"]:
-        lines.append("- Ties / fewer GPUs than each baseline: " + ", ".join(
-            f"{b} {vs['ties'].get(b, 0)} / {vs['fewer'].get(b, 0)}" for b in _methods()[0]
-            if b in vs["ties"] or b in vs["fewer"]) + ".")
+        lines.append("- Ties / fewer GPUs than each baseline (fair): " + _ties(vs) + ".")
+    best = a["vs_best_case"]
+    if best["more_gpus"]:
+        worse = "; ".join(f"{x['scenario']} vs {x['baseline']} ({x['gpus']} > {x['baseline_gpus']}"
+                          + _verified_note(x) + ")" for x in best["more_gpus"])
+        judged = [x for x in best["more_gpus"] if x.get("baseline_passes_verification") is not None]
+        passing = [x for x in judged if x["baseline_passes_verification"]]
+        lines.append(f"- Against the baselines' best case (the smallest pool whose replay is clean, searched on the "
+                     f"replay window, which no planner sees): more GPUs in {len(best['more_gpus'])} case(s): "
+                     f"{worse}." + (f" The best-case plan passes the verification `{method}`'s plans must pass in "
+                                    f"{len(passing)} of {len(judged)}." if judged else ""))
+    else:
+        lines.append("- Against the baselines' best case (replay-searched pools): never more GPUs.")
+    if best["ties"] or best["fewer"]:
+        lines.append("- Ties / fewer GPUs than each baseline's best case: " + _ties(best) + ".")
     for b, s in a["fixed_pool_saving"].items():
         if s["scenarios"]:
             lines.append(f"- Fixed pool: mean GPU saving against `{b}` {s['mean_saving']:.0%} over {s['scenarios']} "
                          f"scenarios (paper: {PAPER_SAVING:.0%}); `{b}`'s fixed-pool plan replayed clean in "
                          f"{s['baseline_replay_clean']} of them.")
     return "\n".join(lines)
+
+
+def _ties(vs: dict[str, Any]) -> str:
+    return ", ".join(f"{b} {vs['ties'].get(b, 0)} / {vs['fewer'].get(b, 0)}" for b in _methods()[0]
+                     if b in vs["ties"] or b in vs["fewer"])
 
 
 def _verified_note(x: dict[str, Any]) -> str:
@@ -234,12 +270,19 @@ def _verified_note(x: dict[str, Any]) -> str:
         f"; its plan fails our verification on {x.get('baseline_failed_gpus')} GPU(s)"
 
 
+def load_text(w: dict[str, Any]) -> str:
+    """The load a scenario's workload record gives, both labelled: what the planners were given (estimation
+    window) and what the replay offered (the replay window's requests / its length)."""
+    return (f"estimated {w['aggregate_rate_rps']:.1f} req/s ({w['offered_tok_s']:,.0f} tok/s), "
+            f"replayed {w['replay_rate_rps']:.1f} req/s")
+
+
 def scenario_markdown(sc: dict[str, Any]) -> str:
     s, w = sc["scenario"], sc["workload"]
     head = (f"### {sc['name']}\n\n{s['model']}, ranks {s['ranks']}, {s['n_adapters']} adapters "
-            f"({s['weights']}), load ×{s['load_scale']:g} of `{s['trace']}` = {w['aggregate_rate_rps']:.1f} req/s "
-            f"estimated ({w['offered_tok_s']:,.0f} tok/s), replay {w['replay_requests']:,} requests over "
-            f"{w['replay_window_s']:,.0f} s ({s['windows']['protocol']}); objective {s['objective']} "
+            f"({s['weights']}), load ×{s['load_scale']:g} of `{s['trace']}`: {load_text(w)}; replay "
+            f"{w['replay_requests']:,} requests over {w['replay_window_s']:,.0f} s ({s['windows']['protocol']}); "
+            f"objective {s['objective']} "
             f"({sc['objective_limits']}); lower bound **{sc['lower_bound_gpus']}** GPUs"
             + (f"; fixed pool {s['fixed_pool']}" if s.get("fixed_pool") else "") + ".\n")
     rows = [_method_row(m, r) for m, r in sc["methods"].items()]
@@ -258,25 +301,38 @@ def _lb(sc: dict[str, Any]) -> str:
 
 
 def _cell(r: dict[str, Any] | None, key: str) -> str:
-    """One method's GPU count for a protocol: ``N``, ``N!`` (replay not clean), ``inf.``, ``none``, ``err.``."""
+    """One method's GPU count for a protocol: ``N``, ``N!`` (replay not clean), ``inf.``, ``none``, ``err.``, ``–``
+    (a best case of a method that is not searched)."""
     if r is None:
         return ""
     if r.get("error"):
         return "err."
-    if key in ("gpus_used", "gpus_used_fixed_pool"):
-        # the protocol's own record: the method's result (smallest pool) or its fixed-pool sub-record
-        rec = r if key == "gpus_used" else (r.get("fixed_pool") or {})
+    if key in ("gpus_used", "gpus_used_fixed_pool", "gpus_used_best_case"):
+        # the protocol's own record: the method's result (smallest pool), its fixed-pool or best-case sub-record
+        rec = {"gpus_used": r, "gpus_used_fixed_pool": r.get("fixed_pool") or {},
+               "gpus_used_best_case": r.get("best_case")}[key]
+        if rec is None:  # no best case: a method that sizes itself (or an infeasible one)
+            return "inf." if r.get("infeasible") else "–"
         if rec.get("infeasible"):
             return "inf."
         v = r.get(key)
         if v is None:
-            return "none" if key == "gpus_used" else "-"
+            return "none" if key != "gpus_used_fixed_pool" else "-"
         return f"{v}!" if not rec.get("replay_clean", True) else str(v)
     return fmt(r.get(key))
 
 
+def _fair_best(r: dict[str, Any] | None) -> str:
+    """The smallest-pool cell: the fair count, and a pool method's best case after a slash."""
+    cell = _cell(r, "gpus_used")
+    if r is not None and r.get("best_case") is not None:
+        cell += " / " + _cell(r, "gpus_used_best_case")
+    return cell
+
+
 def compact_table(doc: dict[str, Any], methods: list[str] | None = None, key: str = "gpus_used") -> str:
-    """One row per scenario, one column per method (``key``), with the lower bound."""
+    """One row per scenario, one column per method (``key``; the smallest pool with the best case beside the
+    fair count), with the lower bound."""
     scs = doc["scenarios"]
     methods = methods or list(dict.fromkeys(m for sc in scs for m in sc["methods"]))
     rows = []
@@ -285,9 +341,52 @@ def compact_table(doc: dict[str, Any], methods: list[str] | None = None, key: st
         cells = [sc["name"], s["model"].split("-")[0], "/".join(map(str, s["ranks"])), str(s["n_adapters"]),
                  f"×{s['load_scale']:g}", s["objective"], _lb(sc)]
         for m in methods:
-            cells.append(_cell(sc["methods"].get(m), key))
+            r = sc["methods"].get(m)
+            cells.append(_fair_best(r) if key == "gpus_used" else _cell(r, key))
         rows.append(cells)
     return _table(["scenario", "model", "ranks", "N", "load", "objective", "LB", *methods], rows)
+
+
+FAIR_BEST_COLUMNS = ("method", "scenarios", "pool found (fair / best)", "GPUs fair", "GPUs best case",
+                     "fair > best", "fair = best", "fair < best", "fair plan replayed clean",
+                     "best-case plan passes verification")
+
+
+def fair_best_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per pool method: its fair smallest pools against its best cases over the scenarios where it ran. GPU sums
+    are over the scenarios where both protocols found a pool; "passes verification" counts best-case plans
+    not larger than the fair pool that pass it (judged ones only)."""
+    out = []
+    methods = list(dict.fromkeys(m for sc in doc["scenarios"] for m, r in sc["methods"].items()
+                                 if r.get("best_case") is not None))
+    for m in methods:
+        rs = [sc["methods"][m] for sc in doc["scenarios"] if m in sc["methods"]
+              and not sc["methods"][m].get("error") and not sc["methods"][m].get("infeasible")]
+        both = [r for r in rs if r.get("gpus_used") is not None and r.get("gpus_used_best_case") is not None]
+        judged = [r["best_case"]["passes_verification"] for r in rs
+                  if (r.get("best_case") or {}).get("passes_verification") is not None]
+        out.append({"method": m, "scenarios": len(rs),
+                    "fair_found": sum(r.get("gpus_used") is not None for r in rs),
+                    "best_found": sum(r.get("gpus_used_best_case") is not None for r in rs),
+                    "gpus_fair": sum(r["gpus_used"] for r in both),
+                    "gpus_best": sum(r["gpus_used_best_case"] for r in both),
+                    "fair_more": sum(r["gpus_used"] > r["gpus_used_best_case"] for r in both),
+                    "equal": sum(r["gpus_used"] == r["gpus_used_best_case"] for r in both),
+                    "fair_fewer": sum(r["gpus_used"] < r["gpus_used_best_case"] for r in both),
+                    "fair_clean": sum(bool(r.get("replay_clean")) for r in rs if r.get("gpus_used") is not None),
+                    "best_passes": sum(judged), "best_judged": len(judged)})
+    return out
+
+
+def fair_best_table(doc: dict[str, Any]) -> str:
+    """``fair_best_rows`` as Markdown ('' when no pool method ran)."""
+    rows = fair_best_rows(doc)
+    if not rows:
+        return ""
+    return _table(FAIR_BEST_COLUMNS, [[
+        r["method"], str(r["scenarios"]), f"{r['fair_found']} / {r['best_found']}", str(r["gpus_fair"]),
+        str(r["gpus_best"]), str(r["fair_more"]), str(r["equal"]), str(r["fair_fewer"]),
+        f"{r['fair_clean']} of {r['fair_found']}", f"{r['best_passes']} of {r['best_judged']}"] for r in rows])
 
 
 def render_report(doc: dict[str, Any], figures: list[str] | None = None) -> str:
@@ -295,7 +394,11 @@ def render_report(doc: dict[str, Any], figures: list[str] | None = None) -> str:
              f"{len(doc['scenarios'])} scenario(s) in {doc.get('wall_s', float('nan')):,.0f} s"
              + (f" (budget {doc['budget_s']:g} s)" if doc.get("budget_s") else "") + ".\n",
              LEGEND,
-             "## Summary\n", summary_markdown(doc) + "\n", "## GPUs used\n", compact_table(doc) + "\n"]
+             "## Summary\n", summary_markdown(doc) + "\n", "## GPUs used (fair / best case)\n",
+             compact_table(doc) + "\n"]
+    fb = fair_best_table(doc)
+    if fb:
+        parts += ["## Pool methods: fair smallest pool against the best case\n", fb + "\n"]
     if any(sc["scenario"].get("fixed_pool") for sc in doc["scenarios"]):
         parts += ["## GPUs used on the fixed pool\n", compact_table(doc, key="gpus_used_fixed_pool") + "\n"]
     if doc.get("skipped"):
@@ -341,6 +444,64 @@ def _log2_ticks(ax: Any, ns: list[int]) -> None:
     ax.minorticks_off()
 
 
+MARKERS = "osD^vP*Xh<>"
+TIE_OFFSET_GPUS = 0.05  # vertical step between methods' lines: ties stay visible, counts stay readable
+
+
+def tie_offsets(n_lines: int) -> list[float]:
+    """Vertical offsets (GPUs) of ``n_lines`` methods' lines, centred on 0: identical counts show as parallel
+    lines instead of one line hiding the others."""
+    return [(i - (n_lines - 1) / 2) * TIE_OFFSET_GPUS for i in range(n_lines)]
+
+
+def plot_gpu_lines(ax: Any, scs: list[dict], methods: list[str], marker_size: float = 5.0) -> None:
+    """GPUs (fair smallest pool) vs adapters of each method, offset so that ties show, with the lower bound and
+    whole-GPU ticks (a GPU count is an integer)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ns = [s["n_adapters"] for s in scs]
+    for m, dy, mk in zip(methods, tie_offsets(len(methods)), MARKERS * (len(methods) // len(MARKERS) + 1),
+                         strict=False):
+        ys = [s["methods"].get(m, {}).get("gpus_used") for s in scs]
+        ax.plot(ns, [float("nan") if y is None else y + dy for y in ys], marker=mk, ms=marker_size, lw=1.0,
+                alpha=0.85, label=m)
+    ax.plot(ns, [s["lower_bound_gpus"] for s in scs], "k--", lw=1.0, label="lower bound")
+    _log2_ticks(ax, ns)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def curves_coincide(by_slots: dict[str, dict], rel_tol: float = 0.01) -> bool:
+    """True when every ``--max-loras`` curve of a Max_pack panel is the same one (same points and starved
+    labels, throughput within ``rel_tol``): the panel then shows one line, labelled so."""
+    curves = list(by_slots.values())
+    if len(curves) < 2:
+        return False
+    ref = curves[0]
+    for c in curves[1:]:
+        if c["n"] != ref["n"] or c["starved"] != ref["starved"]:
+            return False
+        for a, b in zip(c["throughput_tok_s"], ref["throughput_tok_s"], strict=True):
+            if abs(a - b) > rel_tol * max(abs(b), 1.0):
+                return False
+    return True
+
+
+def plot_max_pack(ax: Any, by_slots: dict[str, dict], marker_size: float = 5.0) -> bool:
+    """One Max_pack panel: throughput vs adapters per ``--max-loras`` (x = starved) and the incoming tokens; one
+    line where every ``--max-loras`` coincides. Returns whether they coincide."""
+    same = curves_coincide(by_slots)
+    items = [(f"every --max-loras ({', '.join(by_slots)}): identical", next(iter(by_slots.values())))] if same \
+        else [(f"--max-loras {a}", c) for a, c in by_slots.items()]
+    for label, c in items:
+        line, = ax.plot(c["n"], c["throughput_tok_s"], marker="o", ms=marker_size, label=label)
+        bad = [(n, y) for n, y, st in zip(c["n"], c["throughput_tok_s"], c["starved"], strict=True) if st]
+        if bad:
+            ax.scatter(*zip(*bad, strict=True), marker="x", s=10 * marker_size, color=line.get_color())
+    first = next(iter(by_slots.values()))
+    ax.plot(first["n"], first["incoming_tok_s"], "k--", label="incoming")
+    return same
+
+
 def plot_figures(doc: dict[str, Any], out_dir: Path) -> list[str]:
     """GPUs vs adapters per scenario group (N varies) and every Max_pack curve; returns relative paths."""
     import matplotlib
@@ -358,15 +519,10 @@ def plot_figures(doc: dict[str, Any], out_dir: Path) -> list[str]:
         scs = sorted(scs, key=lambda s: s["n_adapters"])
         trace, model, ranks, load, weights, objective, seed, proto = key
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        ns = [s["n_adapters"] for s in scs]
         methods = list(dict.fromkeys(m for s in scs for m in s["methods"]))
-        for m in methods:
-            ys = [s["methods"].get(m, {}).get("gpus_used") for s in scs]
-            ax.plot(ns, [float("nan") if y is None else y for y in ys], marker="o", label=m)
-        ax.plot(ns, [s["lower_bound_gpus"] for s in scs], "k--", label="lower bound")
-        _log2_ticks(ax, ns)
+        plot_gpu_lines(ax, scs, methods)
         ax.set_xlabel("adapters")
-        ax.set_ylabel("GPUs (smallest replay-clean pool)")
+        ax.set_ylabel(f"GPUs, fair smallest pool (lines ±{TIE_OFFSET_GPUS:g} apart)", fontsize=8)
         ax.set_title(f"{model}, ranks {'/'.join(map(str, ranks))}, ×{load:g} {trace}, {objective}", fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
@@ -375,19 +531,12 @@ def plot_figures(doc: dict[str, Any], out_dir: Path) -> list[str]:
         written.append("figures/" + _save(fig, fig_dir, name))
     for curve in doc.get("max_pack", []):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        incoming_drawn = False
-        for a, c in curve["by_slots"].items():
-            line, = ax.plot(c["n"], c["throughput_tok_s"], marker="o", label=f"--max-loras {a}")
-            bad = [(n, y) for n, y, st in zip(c["n"], c["throughput_tok_s"], c["starved"], strict=True) if st]
-            if bad:
-                ax.scatter(*zip(*bad, strict=True), marker="x", s=60, color=line.get_color())
-            if not incoming_drawn:
-                ax.plot(c["n"], c["incoming_tok_s"], "k--", label="incoming")
-                incoming_drawn = True
+        same = plot_max_pack(ax, curve["by_slots"])
         ax.set_xlabel("adapters on the GPU")
         ax.set_ylabel("throughput tok/s")
         mp = ", ".join(f"{a}: {fmt(c['max_pack'])}" for a, c in curve["by_slots"].items())
-        ax.set_title(f"Max_pack — {curve['scenario']}\n(x = starved; Max_pack {mp})", fontsize=8)
+        ax.set_title(f"Max_pack — {curve['scenario']}\n(x = starved; Max_pack {mp}"
+                     + ("; --max-loras makes no difference here" if same else "") + ")", fontsize=8)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         written.append("figures/" + _save(fig, fig_dir, _slug(f"max_pack-{curve['scenario']}") + ".png"))
@@ -440,10 +589,14 @@ def study_markdown(doc: dict[str, Any], figures: list[str] | None = None) -> str
     for (objective,), scs in _by(doc, "objective").items():
         sub = {**doc, "scenarios": scs}
         parts.append(f"### Summary, objective `{objective}`\n\n{summary_markdown(sub)}\n")
+        fb = fair_best_table(sub)
+        if fb:
+            parts.append(f"Pool methods, objective `{objective}`: the fair smallest pool against the best case "
+                         f"(GPU sums over the scenarios where both found a pool).\n\n{fb}\n")
     for (model, objective), scs in _by(doc, "model", "objective").items():
         sub = {**doc, "scenarios": sorted(scs, key=lambda s: (s["scenario"]["ranks"], s["load_scale"],
                                                                 s["n_adapters"]))}
-        parts.append(f"### GPUs used (smallest replay-clean pool): {model}, objective `{objective}`\n\n"
+        parts.append(f"### GPUs used (smallest pool: fair / best case): {model}, objective `{objective}`\n\n"
                      + compact_table(sub) + "\n")
         if any(s["scenario"].get("fixed_pool") for s in scs):
             fixed = {**sub, "scenarios": [s for s in sub["scenarios"]
@@ -479,12 +632,7 @@ def study_figures(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[
                 ax = axes[i][j]
                 cell = sorted((s for s in scs if tuple(s["scenario"]["ranks"]) == rk and s["load_scale"] == k),
                               key=lambda s: s["n_adapters"])
-                ns = [s["n_adapters"] for s in cell]
-                for m in methods:
-                    ys = [s["methods"].get(m, {}).get("gpus_used") for s in cell]
-                    ax.plot(ns, [float("nan") if y is None else y for y in ys], marker="o", ms=3, label=m)
-                ax.plot(ns, [s["lower_bound_gpus"] for s in cell], "k--", label="lower bound")
-                _log2_ticks(ax, ns)
+                plot_gpu_lines(ax, cell, methods, marker_size=3.0)
                 ax.set_title(f"ranks {'/'.join(map(str, rk))}, ×{k:g}", fontsize=9)
                 ax.grid(alpha=0.3)
                 if i == len(ranks) - 1:
@@ -492,7 +640,8 @@ def study_figures(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[
                 if j == 0:
                     ax.set_ylabel("GPUs")
         axes[0][0].legend(fontsize=6)
-        fig.suptitle(f"{model}: GPUs of the smallest replay-clean pool, objective {objective}", fontsize=10)
+        fig.suptitle(f"{model}: GPUs of the fair smallest pool (verified on the estimation window), objective "
+                     f"{objective}; lines ±{TIE_OFFSET_GPUS:g} GPU apart so that ties show", fontsize=10)
         written.append(_save(fig, out_dir, _slug(f"{prefix}gpus-{model}-{objective}") + ".png"))
     for (model,), scs in _by(doc, "model").items():
         n_max = max(s["n_adapters"] for s in scs)
@@ -503,24 +652,23 @@ def study_figures(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[
         loads = sorted({s["load_scale"] for s in cells})
         fig, axes = plt.subplots(len(ranks), len(loads), figsize=(4.2 * len(loads), 3.3 * len(ranks)),
                                  squeeze=False)
+        n_same = 0
         for s in cells:
             ax = axes[ranks.index(tuple(s["scenario"]["ranks"]))][loads.index(s["load_scale"])]
             c = curves[s["name"]]
-            first = True
-            for a, cv in c["by_slots"].items():
-                line, = ax.plot(cv["n"], cv["throughput_tok_s"], marker="o", ms=3, label=f"A {a}")
-                bad = [(n, y) for n, y, st in zip(cv["n"], cv["throughput_tok_s"], cv["starved"], strict=True) if st]
-                if bad:
-                    ax.scatter(*zip(*bad, strict=True), marker="x", s=30, color=line.get_color())
-                if first:
-                    ax.plot(cv["n"], cv["incoming_tok_s"], "k--", label="incoming")
-                    first = False
-            ax.set_title(f"ranks {'/'.join(map(str, s['scenario']['ranks']))}, ×{s['load_scale']:g}: Max_pack "
-                         + ", ".join(f"{a}:{fmt(cv['max_pack'])}" for a, cv in c["by_slots"].items()), fontsize=7)
+            same = plot_max_pack(ax, c["by_slots"], marker_size=3.0)
+            n_same += same
+            mp = (f"--max-loras makes no difference, Max_pack {fmt(next(iter(c['by_slots'].values()))['max_pack'])}"
+                  if same else "Max_pack " + ", ".join(f"{a}:{fmt(cv['max_pack'])}" for a, cv in c["by_slots"].items()))
+            ax.set_title(f"ranks {'/'.join(map(str, s['scenario']['ranks']))}, ×{s['load_scale']:g}: {mp}", fontsize=7)
             ax.grid(alpha=0.3)
             ax.set_xlabel("adapters on one GPU")
             ax.set_ylabel("tok/s")
-        axes[0][0].legend(fontsize=6)
-        fig.suptitle(f"{model}: single-GPU throughput vs adapters (first n of the {n_max}; x = starved)", fontsize=10)
+            ax.legend(fontsize=5)
+        note = ("; every panel: the --max-loras lines coincide (the figure adds nothing to the tables)"
+                if n_same == len(cells) else
+                f"; {n_same} of {len(cells)} panels: the --max-loras lines coincide" if n_same else "")
+        fig.suptitle(f"{model}: single-GPU throughput vs adapters (first n of the {n_max}; x = starved{note})",
+                     fontsize=10)
         written.append(_save(fig, out_dir, _slug(f"{prefix}max_pack-{model}") + ".png"))
     return written

@@ -2,13 +2,20 @@
 
 Per (scenario, method):
 
-* **smallest pool** — a method that opens GPUs itself (``proposed*``) is placed once on an unbounded pool;
-  its GPU count is its answer, replayed as is. A method that places onto a given number of GPUs starts from
-  the count its own search returns (``gpus = None``), then the evaluation finds the smallest pool whose
-  replay is *clean* (no GPU refused, no GPU or adapter starved, every GPU within the latency objective): one pool smaller
-  if the start is clean (then bisection down to the lower bound), else doubling steps up to a cap and
-  bisection back. ``gpus_used`` is the GPUs that plan uses;
-* **fixed pool** — where the scenario has ``fixed_pool`` and the lower bound fits in it, every method is
+* **smallest pool** -- a method that opens GPUs itself (``proposed*``) is placed once on an unbounded pool;
+  its GPU count is its answer (it passed twin verification on the estimation window), replayed as is. A method
+  that places onto a given number of GPUs gets the same test (the *fair* protocol): starting from the count
+  its own search returns (``gpus = None``), the evaluation finds the smallest pool whose plan passes the
+  verification the greedy methods' plans must pass (``Placer.verify``: the estimation window's rates and
+  arrival law, the same seeds, hour and headroom -- nothing of the replay window); ``gpus_used`` is the GPUs
+  that plan uses, replayed as is (like a greedy method's, it may then fail the replay). Without a verifier
+  (``verify: false``, or a placer that has none) the fair pool is the method's own count.
+  The **best case** is the old protocol, kept beside it: the smallest pool whose *replay* is clean (no GPU
+  refused, no GPU or adapter starved, every GPU within the latency objective), searched on the replay window
+  itself, which no planner can see: ``gpus_used_best_case`` (None for the greedy methods, which are not searched).
+  Both searches: one pool smaller if the start passes (then bisection down to the lower bound), else doubling
+  steps up to a cap and bisection back;
+* **fixed pool** -- where the scenario has ``fixed_pool`` and the lower bound fits in it, every method is
   placed on that pool (the paper's protocol) and replayed as is: ``gpus_used_fixed_pool`` is what it used.
 
 The derived workload and the GPU replay cache are shared by the scenarios of one workload (they differ only
@@ -35,10 +42,14 @@ from .replay import FleetReplay, Mapper, Replayer
 from .scenario import Scenario
 
 NAN = float("nan")
-RESULTS_FORMAT = 1
+# 2: the pool methods' smallest pool is the verified one (issue 26, item 7); 1: it was the replay-searched pool
+# (now ``gpus_used_best_case``). The docs script labels results of format 1 as the old protocol.
+RESULTS_FORMAT = 2
+SMALLEST_POOL_PROTOCOL = "verified"  # results.json's name for format 2's smallest-pool protocol
 # per-method keys of the --json contract (issue 9); every method result carries them (None when unknown)
 CONTRACT_KEYS = ("gpus_used", "gpus_used_fixed_pool", "lower_bound_gpus", "starved_gpus", "oom_gpus",
-                 "throughput_tok_s", "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "placement_ms")
+                 "throughput_tok_s", "itl_mean_ms", "ttft_mean_s", "ttft_p99_s", "placement_ms",
+                 "gpus_used_best_case")
 
 
 def with_vllm_version(prof: Profile, version: str | None) -> Profile:
@@ -124,32 +135,121 @@ def search_cap(lower_bound: int, start: int, n_adapters: int) -> int:
     return max(start, min(n_adapters, max(4 * max(lower_bound, 1), lower_bound + 16, 2 * start)))
 
 
-def smallest_clean_pool(place: Callable[[int], Plan], replay: Callable[[Plan], FleetReplay], start: int,
+def smallest_clean_pool(place: Callable[[int], Plan], accept: Callable[[Plan], bool], start: int,
                         lower: int, cap: int) -> tuple[int | None, list[dict]]:
-    """The smallest pool size whose plan replays clean (assumed monotone in the pool), and the probes.
+    """The smallest pool size whose plan ``accept`` passes (assumed monotone in the pool), and the probes.
 
-    ``place(G)`` places on G GPUs, ``replay(plan)`` judges it. Returns ``(None, probes)`` when no pool up to
-    ``cap`` is clean or the method declares every tried pool infeasible.
+    ``place(G)`` places on G GPUs; ``accept(plan)`` judges it (the verification of the fair protocol, or a clean
+    replay for the best case). Returns ``(None, probes)`` when no pool up to ``cap`` passes or the method
+    declares every tried pool infeasible.
     """
     probes: list[dict] = []
     seen: dict[int, bool] = {}
 
-    def clean(g: int) -> bool:
+    def ok(g: int) -> bool:
         if g not in seen:
             plan = place(g)
-            ok = (not plan.infeasible) and replay(plan).clean
-            seen[g] = ok
-            probes.append({"pool": g, "gpus_used": plan.gpus_used, "infeasible": plan.infeasible, "clean": ok})
+            passed = (not plan.infeasible) and accept(plan)
+            seen[g] = passed
+            probes.append({"pool": g, "gpus_used": plan.gpus_used, "infeasible": plan.infeasible, "passed": passed})
         return seen[g]
 
     lower = max(1, lower)
     start = max(lower, start)
-    if clean(start):
-        if start == lower or not clean(start - 1):
+    if ok(start):
+        if start == lower or not ok(start - 1):
             return start, probes
-        return first_true(clean, lower - 1, start - 1), probes
-    best, _ = bisect_smallest(clean, start + 1, cap)  # galloping up from the start, then bisection
+        return first_true(ok, lower - 1, start - 1), probes
+    best, _ = bisect_smallest(ok, start + 1, cap)  # galloping up from the start, then bisection
     return best, probes
+
+
+_NO_METRICS = ("oom_gpus", "starved_gpus", "throughput_tok_s", "itl_mean_ms", "ttft_mean_s", "ttft_p99_s")
+
+
+class _PoolRuns:
+    """One pool method's raw runs on each pool size (cached: both searches and the best-case check share them)
+    and the shared verifier's verdicts on them."""
+
+    def __init__(self, placer: Placer, ctx: Context, sc: Scenario, method: str) -> None:
+        self.placer, self.ctx, self.sc, self.method = placer, ctx, sc, method
+        self.plans: dict[int, Plan] = {}  # by pool size
+        self.verdicts: dict[int, dict | None] = {}  # by id() of a plan in ``plans`` (kept alive there)
+
+    def place(self, g: int) -> Plan:
+        if g not in self.plans:
+            self.plans[g] = _place(self.placer, self.ctx, self.sc, self.method, g)
+        return self.plans[g]
+
+    def verdict(self, plan: Plan) -> dict | None:
+        """``plan`` judged by the verification the greedy methods' plans get; None without a verifier."""
+        if not any(p is plan for p in self.plans.values()):  # not one of the cached runs: not cached either
+            return self._verify(plan)
+        if id(plan) not in self.verdicts:
+            self.verdicts[id(plan)] = self._verify(plan)
+        return self.verdicts[id(plan)]
+
+    def _verify(self, plan: Plan) -> dict | None:
+        if not self.sc.verify:  # the greedy methods are not verified either: no common test
+            return None
+        return self.placer.verify(_workload(self.ctx, self.sc), self.ctx.profile,
+                                  _request(self.sc, self.method, None), plan)
+
+    def passes(self, plan: Plan) -> bool:
+        v = self.verdict(plan)
+        return bool(v and v["passed"])
+
+
+def _best_case(runs: _PoolRuns, replay: Callable[[Plan], FleetReplay], start: int, lb: int, cap: int,
+               fair: int | None) -> dict[str, Any]:
+    """The old smallest-pool protocol, kept as the pool methods' best case: the smallest pool whose replay is
+    clean (searched on the replay window, which no planner sees), its replay and whether it passes verification
+    (asked only where it is not larger than the verified pool: a larger one says nothing about the comparison)."""
+    best, probes = smallest_clean_pool(runs.place, lambda p: replay(p).clean, start, lb, cap)
+    out: dict[str, Any] = {"pool": best, "search": probes, "gpus_used": None}
+    if best is None:
+        out["no_clean_pool"] = True
+        return out
+    plan = runs.plans[best]
+    runs.ctx.plans[f"{runs.method}/best_case"] = plan
+    rep = replay(plan)
+    out.update(gpus_used=plan.gpus_used, **{k: v for k, v in _metrics(rep).items() if k != "per_gpu"})
+    if fair is None or best <= fair:  # the verified plan itself when equal (its verdict is cached)
+        v = runs.verdict(plan)
+        out["passes_verification"] = None if v is None else bool(v["passed"])
+        if v is not None:
+            out["failed_verification_gpus"] = v["failed_gpus"]
+    return out
+
+
+def _smallest_pool_method(placer: Placer, ctx: Context, sc: Scenario, method: str, own: Plan,
+                          replay: Callable[[Plan], FleetReplay], lb: int) -> dict[str, Any]:
+    """A pool method under the fair protocol (verified pool) and its best case (replay-searched pool)."""
+    # raw runs on each pool size (the plan at placement's own size is the same assignment, but its
+    # placement_ms includes placement's search): placement time = one run of the method, as published
+    out: dict[str, Any] = {"search_ms": own.placement_ms}
+    runs = _PoolRuns(placer, ctx, sc, method)
+    cap = search_cap(lb, own.gpus_used, sc.n_adapters)
+    # ``own`` is the assignment of the raw run on its count: its GPUs are the shared verifier's cached answers
+    # when the search asks again
+    if runs.verdict(own) is None:  # no verifier: the method's own count is its answer
+        fair: int | None = own.gpus_used
+        probes: list[dict] = []
+        out["verified"] = False
+    else:
+        fair, probes = smallest_clean_pool(runs.place, runs.passes, own.gpus_used, lb, cap)
+        out["verified"] = True
+    final = own if fair is None else runs.place(fair)
+    if fair is None:
+        out["no_verified_pool"] = True
+    else:
+        ctx.plans[f"{method}/smallest"] = final
+    best = _best_case(runs, replay, own.gpus_used, lb, cap, fair)
+    rep = replay(final)
+    out.update(gpus_used=None if fair is None else final.gpus_used, plan_gpus=final.gpus_used,
+               placement_ms=final.placement_ms, verification_ms=final.verification_ms, search=probes,
+               gpus_used_best_case=best["gpus_used"], best_case=best, **_metrics(rep))
+    return out
 
 
 def run_method(placer: Placer, ctx: Context, sc: Scenario, method: str, objective: Objective
@@ -159,41 +259,24 @@ def run_method(placer: Placer, ctx: Context, sc: Scenario, method: str, objectiv
         return ctx.replayer.replay(plan, objective)
 
     lb = placer.method_bound(method, ctx.bounds)
-    out: dict[str, Any] = {"lower_bound_gpus": lb}
+    out: dict[str, Any] = {"lower_bound_gpus": lb, "gpus_used_best_case": None}
     own = _place(placer, ctx, sc, method, None)
     ctx.plans[f"{method}/smallest"] = own
     out["self_gpus"] = None if own.infeasible else own.gpus_used
     out["verification_added_gpus"] = _verification_added(own)
     if own.infeasible:
         out.update(infeasible=True, reason=own.reason, gpus_used=None, placement_ms=own.placement_ms,
-                   **{k: None for k in ("oom_gpus", "starved_gpus", "throughput_tok_s", "itl_mean_ms",
-                                        "ttft_mean_s", "ttft_p99_s")})
+                   **dict.fromkeys(_NO_METRICS))
+    elif placer.sizes_itself(method):
+        rep = replay(own)
+        out.update(gpus_used=own.gpus_used, plan_gpus=own.gpus_used, placement_ms=own.placement_ms,
+                   verification_ms=own.verification_ms, search=[], **_metrics(rep))
     else:
-        final = own
-        probes: list[dict] = []
-        if not placer.sizes_itself(method):
-            # raw runs on each pool size (the plan at placement's own size is the same assignment, but its
-            # placement_ms includes placement's search): placement time = one run of the method, as published
-            out["search_ms"] = own.placement_ms
-            cache: dict[int, Plan] = {}
-
-            def place(g: int) -> Plan:
-                if g not in cache:
-                    cache[g] = _place(placer, ctx, sc, method, g)
-                return cache[g]
-
-            best, probes = smallest_clean_pool(place, replay, own.gpus_used, lb,
-                                               search_cap(lb, own.gpus_used, sc.n_adapters))
-            if best is not None:
-                final = cache[best]
-                ctx.plans[f"{method}/smallest"] = final
-            else:
-                out["no_clean_pool"] = True
-        rep = replay(final)
-        out.update(gpus_used=final.gpus_used if (rep.clean or placer.sizes_itself(method)) else None,
-                   plan_gpus=final.gpus_used, placement_ms=final.placement_ms,
-                   verification_ms=final.verification_ms, search=probes, **_metrics(rep))
-        out["gap_gpus"] = (out["gpus_used"] - lb) if out["gpus_used"] is not None else None
+        out.update(_smallest_pool_method(placer, ctx, sc, method, own, replay, lb))
+    if out.get("gpus_used") is not None:
+        out["gap_gpus"] = out["gpus_used"] - lb
+    elif not own.infeasible:
+        out["gap_gpus"] = None
     out["gpus_used_fixed_pool"] = None
     if sc.fixed_pool is not None:
         if ctx.bounds.gpus > sc.fixed_pool:  # one rule for every method: the bound with the N_max row
@@ -211,25 +294,6 @@ def run_method(placer: Placer, ctx: Context, sc: Scenario, method: str, objectiv
                 out["gpus_used_fixed_pool"] = plan.gpus_used
             out["fixed_pool"] = fixed
     return out
-
-
-def _cross_verify(placer: Placer, ctx: Context, sc: Scenario, results: dict[str, dict]) -> None:
-    """A pool method whose smallest replay-clean pool is smaller than every verified method's plan: its plan
-    judged by the verification those plans had to pass (same seeds, hour, arrival law, headroom) --
-    ``proposed_verification`` {passed, failed_gpus, details}. Says whether the smaller pool is one the verified
-    method could have accepted, or one that passed the single replay window only."""
-    if not sc.verify:
-        return
-    own = [r["gpus_used"] for m, r in results.items() if placer.sizes_itself(m) and r.get("gpus_used")]
-    if not own:
-        return
-    for m, r in results.items():
-        plan = ctx.plans.get(f"{m}/smallest")
-        if placer.sizes_itself(m) or plan is None or not r.get("gpus_used") or r["gpus_used"] >= min(own):
-            continue
-        res = placer.verify(_workload(ctx, sc), ctx.profile, _request(sc, m, None), plan)
-        if res is not None:
-            r["proposed_verification"] = res
 
 
 def _num(x: Any) -> Any:
@@ -314,7 +378,6 @@ def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple
             entry["methods"][m] = res
             if on_step:
                 on_step(f"{sc.name}: {m}", 1)
-        _cross_verify(placer, ctx, sc, entry["methods"])
         if sc.max_pack and first_of_workload:
             if budget.spent():
                 budget.skipped.append({"scenario": sc.name, "methods": [], "what": "max_pack"})
@@ -332,5 +395,6 @@ def evaluate_scenarios(scenarios: list[Scenario], placer: Placer, methods: tuple
         results.append(entry)
         if on_scenario:
             on_scenario(entry)
-    return {"format": RESULTS_FORMAT, "scenarios": results, "max_pack": max_packs,
+    return {"format": RESULTS_FORMAT, "smallest_pool_protocol": SMALLEST_POOL_PROTOCOL, "scenarios": results,
+            "max_pack": max_packs,
             "skipped": budget.skipped, "budget_s": budget.seconds, "wall_s": budget.elapsed_s()}
