@@ -279,7 +279,9 @@ def _normalise(inst: Instance, fills: list[GpuFill]) -> list[GpuFill]:
             a = inst.adapter_ids[e]
             if a in first:
                 j = first[a]
-                new_sh[j] += s * inst.rates_rps[e] / inst.rates_rps[entries[j]]
+                # in units of the first entry's requests: entries of one adapter differ by weight only (rates
+                # would divide by 0 for an adapter at rate 0)
+                new_sh[j] += s * inst.weights[e] / inst.weights[entries[j]]
             else:
                 first[a] = len(entries)
                 entries.append(e)

@@ -190,6 +190,14 @@ def _dlora_first_phase(expected: np.ndarray) -> np.ndarray:  # pragma: no cover 
     return order
 
 
+def _tolerance(mem_sum: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """dLoRA's burst tolerance per adapter, ``Σ mem / E_i``; an adapter expecting no requests tolerates any
+    burst (+inf: it never sets the minimum)."""
+    out = np.full(len(expected), np.inf)
+    np.divide(mem_sum, expected, out=out, where=expected > 0)
+    return out
+
+
 def dlora(inst: Instance, profile: Profile, gpus: int) -> Assignment:
     """dLoRA's proactive placement as re-implemented by the paper (placement.md §4.4): replicas added while
     the burst tolerance ``min_i (Σ_{g ∋ i} mem_g) / E_i`` does not drop, then topped up to ``G + M - 1``
@@ -199,7 +207,7 @@ def dlora(inst: Instance, profile: Profile, gpus: int) -> Assignment:
     m_ = profile.memory
     kv0 = float(m_.kv_tokens_no_lora if m_.kv_tokens_no_lora is not None else m_.kv_tokens_base)
     w = float(dlora_slot_weight(profile, int(inst.ranks.max())))
-    e = inst.rates_rps * 3600.0  # expected requests per hour (> 0: rates are validated)
+    e = inst.rates_rps * 3600.0  # expected requests per hour (>= 0: an adapter at rate 0 is placed too)
     mem = np.full(g_n, kv0)
     host = np.zeros((m, g_n), dtype=np.bool_)
     hosts: list[list[int]] = [[] for _ in range(g_n)]
@@ -220,7 +228,7 @@ def dlora(inst: Instance, profile: Profile, gpus: int) -> Assignment:
         add(int(i), step % g_n)  # all GPUs start empty: the fewest-adapters GPU cycles through the indices
     # phase 2: more replicas while the tolerance does not drop
     s = host.astype(np.float64) @ mem  # Σ mem over each adapter's hosts
-    best = float(np.min(s / e))
+    best = float(np.min(_tolerance(s, e)))
     while True:
         nxt = int(np.argmin(cur / (n_rep + 1e-7) - e))
         updated = False
@@ -229,7 +237,7 @@ def dlora(inst: Instance, profile: Profile, gpus: int) -> Assignment:
                 continue
             s_new = s - w * host[:, g]
             s_new[nxt] += mem[g] - w
-            bt = float(np.min(s_new / e))
+            bt = float(np.min(_tolerance(s_new, e)))
             if bt >= best:
                 add(nxt, g)
                 s, best, updated = s_new, bt, True

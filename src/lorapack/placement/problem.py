@@ -2,7 +2,9 @@
 ``lorapack.objective.Objective`` (re-exported here).
 
 An ``Instance`` is validated once, here, so the methods never see unchecked arrays: ids unique and non-empty,
-ranks integers vLLM can serve (1 ... 512), rates finite and > 0 req/s. Headroom is applied when the instance
+ranks integers vLLM can serve (1 ... 512), rates finite and >= 0 req/s. An adapter at rate 0 (kept deployed,
+no requests forecast) is placed like any other: it takes a slot of ``--max-cpu-loras``, a place in a GPU's
+adapter count and its rank class, and brings no load. Headroom is applied when the instance
 is built (``rates_rps`` are the rates the plan is made for); ``nominal_rates_rps`` keeps the forecast.
 
 Request lengths: ``Instance.lengths`` is the workload's own law (fixed, log-normal with its cv, or empirical),
@@ -157,7 +159,8 @@ def make_instance(adapter_ids: Sequence[str], ranks: Sequence[int] | np.ndarray,
     """Validate adapters and build the instance the methods place (rates x (1 + headroom)).
 
     Refused, each with a one-line ``SpecError`` naming the adapter: no adapters, duplicate or empty ids, ranks
-    that are not integers in 1 ... 512 (vLLM's largest --max-lora-rank), rates that are not finite and > 0."""
+    that are not integers in 1 ... 512 (vLLM's largest --max-lora-rank), rates that are not finite and >= 0
+    (the spec's rule: an adapter at rate 0 stays in the plan, on a GPU, with no load)."""
     ids = [str(a) for a in adapter_ids]
     if not ids:
         raise SpecError(f"{where}: no adapters; expected at least one")
@@ -181,9 +184,8 @@ def make_instance(adapter_ids: Sequence[str], ranks: Sequence[int] | np.ndarray,
             raise SpecError(f"{where}: adapter '{a}': rank {r!r}: vLLM serves integer ranks 1 ... {MAX_VLLM_RANK} "
                             f"(--max-lora-rank {', '.join(map(str, VLLM_LORA_RANKS))})")
         q = float(rt[i])
-        if not math.isfinite(q) or q <= 0:
-            raise SpecError(f"{where}: adapter '{a}': rate_rps {q!r}: expected a finite rate > 0 req/s "
-                            f"(drop adapters that receive no requests)")
+        if not math.isfinite(q) or q < 0:  # the workload spec's own rule (``spec.Adapter``): >= 0
+            raise SpecError(f"{where}: adapter '{a}': rate_rps {q!r}: expected a finite number >= 0")
     return Instance(adapter_ids=tuple(ids), ranks=rk.astype(np.int64), rates_rps=rt * (1.0 + headroom),
                     weights=np.ones(len(ids)), mean_input_tokens=float(mean_input_tokens),
                     mean_output_tokens=float(mean_output_tokens), headroom=float(headroom),
