@@ -630,3 +630,95 @@ def test_the_report_holds_proposed_to_verified_baseline_pools_and_shows_the_best
     # the rule kept: no verified baseline pool below proposed's
     ok = {"scenarios": [sc("b", 4, 3, False)], "max_pack": []}
     assert "never more GPUs than a baseline plan that passes the same verification" in summary_markdown(ok)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 26 item 8: the report's figures and headers, the demo footer, the docs' wall time
+
+
+def test_gpu_figure_shows_ties_as_offset_lines_on_whole_gpu_ticks():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lorapack.evaluate.report import TIE_OFFSET_GPUS, plot_gpu_lines
+
+    scs = [{"n_adapters": n, "lower_bound_gpus": 1, "methods": {"a": {"gpus_used": 2}, "b": {"gpus_used": 2},
+                                                                 "c": {"gpus_used": None}}} for n in (32, 64, 128)]
+    fig, ax = plt.subplots()
+    plot_gpu_lines(ax, scs, ["a", "b", "c"])
+    ya, yb = (np.asarray(line.get_ydata(), dtype=float) for line in ax.lines[:2])
+    np.testing.assert_allclose(yb - ya, TIE_OFFSET_GPUS)  # identical counts: two visible lines, not one
+    assert np.all(np.abs(ya - 2) <= TIE_OFFSET_GPUS + 1e-9) and np.all(np.isnan(ax.lines[2].get_ydata()))
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_yticks() if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)  # a GPU count has no fractional tick
+    plt.close(fig)
+
+
+def test_max_pack_curves_that_coincide_are_drawn_once_and_said_so():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lorapack.evaluate.report import coinciding_groups, curves_coincide, plot_max_pack
+
+    def curve(thr, starved=(False, False, False)):
+        return {"n": [8, 16, 32], "throughput_tok_s": list(thr), "incoming_tok_s": [100.0, 200.0, 400.0],
+                "starved": list(starved), "max_pack": 32}
+
+    same = {"8": curve([100, 200, 400]), "32": curve([100, 200, 401]), "max": curve([100, 200, 399])}
+    assert coinciding_groups(same) == [["8", "32", "max"]] and curves_coincide(same)
+    mixed = {**same, "128": curve([100, 200, 300], (False, False, True))}
+    assert coinciding_groups(mixed) == [["8", "32", "max"], ["128"]] and not curves_coincide(mixed)
+    fig, ax = plt.subplots()
+    assert plot_max_pack(ax, same) is True
+    labels = [line.get_label() for line in ax.lines]
+    assert labels == ["--max-loras 8, 32, max (identical)", "incoming"]
+    plt.close(fig)
+
+
+def test_report_header_gives_the_estimated_and_the_replayed_load():
+    from lorapack.evaluate.report import load_text
+
+    w = {"aggregate_rate_rps": 28.04, "offered_tok_s": 11800.0, "replay_rate_rps": 27.2}
+    assert load_text(w) == "estimated 28.0 req/s (11,800 tok/s), replayed 27.2 req/s"
+
+
+def test_demo_footer_says_what_clean_means():
+    from lorapack.cli.demo import _clean_text
+
+    assert _clean_text({"objective_limits": "mean TTFT <= 2 s"}) == (
+        "Clean: every GPU starts, no GPU is starved (< 90 % of its tokens served), no adapter is starved and every "
+        "GPU meets mean TTFT <= 2 s.")
+    assert _clean_text({"objective_limits": "none (throughput only)"}).endswith("and no adapter is starved.")
+
+
+def _evaluation_doc_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("evaluation_doc", Path(__file__).parent.parent / "scripts" /
+                                                  "evaluation_doc.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_evaluation_doc_header_gives_measured_wall_times_and_labels_the_old_protocol(tmp_path):
+    mod = _evaluation_doc_module()
+    one = {"format": 2, "scenarios": [{"name": "a"}], "wall_s": 1754.4}
+    two = {"format": 2, "scenarios": [{"name": "b"}, {"name": "c"}], "wall_s": None}
+    head = mod.header([one, two], {**one, "scenarios": one["scenarios"] + two["scenarios"]}, Path("evaluation"))
+    assert head.startswith("3 scenarios, wall time part 1 (1 scenarios) 29 min 14 s; part 2 (2 scenarios) not "
+                           "recorded (2 runs, merged).") and "?" not in head
+    assert "Old protocol" not in head
+    old = {"format": 1, "scenarios": [{"name": "a"}], "wall_s": 42.0}
+    assert "**Old protocol**" in mod.header([old], old, Path("evaluation"))
+    for k, d in enumerate((old, one)):
+        (tmp_path / f"r{k}").mkdir()
+        (tmp_path / f"r{k}" / "results.json").write_text(json.dumps({**d, "max_pack": [], "skipped": []}))
+    md = tmp_path / "e.md"
+    md.write_text("<!-- results:begin -->\n<!-- results:end -->\n")
+    assert mod.main([str(tmp_path / "r0"), str(tmp_path / "r1"), "--doc", str(md)]) == 2  # never mixed

@@ -470,36 +470,47 @@ def plot_gpu_lines(ax: Any, scs: list[dict], methods: list[str], marker_size: fl
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def curves_coincide(by_slots: dict[str, dict], rel_tol: float = 0.01) -> bool:
-    """True when every ``--max-loras`` curve of a Max_pack panel is the same one (same points and starved
-    labels, throughput within ``rel_tol``): the panel then shows one line, labelled so."""
-    curves = list(by_slots.values())
-    if len(curves) < 2:
+def _same_curve(c: dict, ref: dict, rel_tol: float) -> bool:
+    if c["n"] != ref["n"] or c["starved"] != ref["starved"]:
         return False
-    ref = curves[0]
-    for c in curves[1:]:
-        if c["n"] != ref["n"] or c["starved"] != ref["starved"]:
-            return False
-        for a, b in zip(c["throughput_tok_s"], ref["throughput_tok_s"], strict=True):
-            if abs(a - b) > rel_tol * max(abs(b), 1.0):
-                return False
-    return True
+    return all(abs(a - b) <= rel_tol * max(abs(b), 1.0)
+               for a, b in zip(c["throughput_tok_s"], ref["throughput_tok_s"], strict=True))
+
+
+def coinciding_groups(by_slots: dict[str, dict], rel_tol: float = 0.01) -> list[list[str]]:
+    """The ``--max-loras`` values of a Max_pack panel grouped by curve: values whose curves are the same (same
+    points and starved labels, throughput within ``rel_tol``) share a group, drawn as one labelled line."""
+    groups: list[list[str]] = []
+    for a, c in by_slots.items():
+        for g in groups:
+            if _same_curve(c, by_slots[g[0]], rel_tol):
+                g.append(a)
+                break
+        else:
+            groups.append([a])
+    return groups
+
+
+def curves_coincide(by_slots: dict[str, dict], rel_tol: float = 0.01) -> bool:
+    """True when every ``--max-loras`` curve of a Max_pack panel is the same one: the panel adds nothing."""
+    return len(by_slots) > 1 and len(coinciding_groups(by_slots, rel_tol)) == 1
 
 
 def plot_max_pack(ax: Any, by_slots: dict[str, dict], marker_size: float = 5.0) -> bool:
-    """One Max_pack panel: throughput vs adapters per ``--max-loras`` (x = starved) and the incoming tokens; one
-    line where every ``--max-loras`` coincides. Returns whether they coincide."""
-    same = curves_coincide(by_slots)
-    items = [(f"every --max-loras ({', '.join(by_slots)}): identical", next(iter(by_slots.values())))] if same \
-        else [(f"--max-loras {a}", c) for a, c in by_slots.items()]
-    for label, c in items:
+    """One Max_pack panel: throughput vs adapters per ``--max-loras`` (x = starved) and the incoming tokens;
+    coinciding ``--max-loras`` curves drawn once, labelled with all their values (none hides another). Returns
+    whether every curve coincides."""
+    groups = coinciding_groups(by_slots)
+    for g in groups:
+        c = by_slots[g[0]]
+        label = f"--max-loras {', '.join(g)}" + (" (identical)" if len(g) > 1 else "")
         line, = ax.plot(c["n"], c["throughput_tok_s"], marker="o", ms=marker_size, label=label)
         bad = [(n, y) for n, y, st in zip(c["n"], c["throughput_tok_s"], c["starved"], strict=True) if st]
         if bad:
             ax.scatter(*zip(*bad, strict=True), marker="x", s=10 * marker_size, color=line.get_color())
     first = next(iter(by_slots.values()))
     ax.plot(first["n"], first["incoming_tok_s"], "k--", label="incoming")
-    return same
+    return len(by_slots) > 1 and len(groups) == 1
 
 
 def plot_figures(doc: dict[str, Any], out_dir: Path) -> list[str]:
@@ -522,7 +533,8 @@ def plot_figures(doc: dict[str, Any], out_dir: Path) -> list[str]:
         methods = list(dict.fromkeys(m for s in scs for m in s["methods"]))
         plot_gpu_lines(ax, scs, methods)
         ax.set_xlabel("adapters")
-        ax.set_ylabel(f"GPUs, fair smallest pool (lines ±{TIE_OFFSET_GPUS:g} apart)", fontsize=8)
+        ax.set_ylabel(f"GPUs, {'fair ' if doc.get('format', 1) >= 2 else ''}smallest pool (lines "
+                      f"{TIE_OFFSET_GPUS:g} apart)", fontsize=8)
         ax.set_title(f"{model}, ranks {'/'.join(map(str, ranks))}, ×{load:g} {trace}, {objective}", fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
@@ -640,8 +652,10 @@ def study_figures(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[
                 if j == 0:
                     ax.set_ylabel("GPUs")
         axes[0][0].legend(fontsize=6)
-        fig.suptitle(f"{model}: GPUs of the fair smallest pool (verified on the estimation window), objective "
-                     f"{objective}; lines ±{TIE_OFFSET_GPUS:g} GPU apart so that ties show", fontsize=10)
+        what = ("the fair smallest pool (verified on the estimation window)" if doc.get("format", 1) >= 2 else
+                "the smallest replay-clean pool (old protocol)")
+        fig.suptitle(f"{model}: GPUs of {what}, objective {objective}; lines {TIE_OFFSET_GPUS:g} GPU apart so that "
+                     f"ties show", fontsize=10)
         written.append(_save(fig, out_dir, _slug(f"{prefix}gpus-{model}-{objective}") + ".png"))
     for (model,), scs in _by(doc, "model").items():
         n_max = max(s["n_adapters"] for s in scs)
