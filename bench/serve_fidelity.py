@@ -13,9 +13,14 @@ recorded), and the twin simulates the same arrivals at the times they were sent 
 * ``/metrics`` against the twin's timeline: the scraped ``vllm:num_requests_running`` / ``_waiting`` (every
   second) against the twin's at the same times, mean absolute difference, and the final counters.
 
-Prints per design and writes ``bench/results/serve_fidelity.json``. About 2 x ``--duration-s`` + start-up.
+Each design runs twice (``--http-path both``): with the server's own HTTP-path probe (``lorapack serve``'s
+default), and with this client's measured path (aiohttp to ``/lorapack/probe``, median of 60) given as
+``--http-path-ms``, as a user who knows their client's path would (docs/serve.md, "Why h").
 
-Usage: ``python bench/serve_fidelity.py [--duration-s 120]``
+Prints per design and writes ``bench/results/serve_fidelity.json``. About 2 x 2 x ``--duration-s`` + start-up
+per design.
+
+Usage: ``python bench/serve_fidelity.py [--duration-s 120] [--http-path both|server-probe|client-measured]``
 """
 
 from __future__ import annotations
@@ -37,14 +42,45 @@ DESIGNS = [("all-slots", 16, 4.0, 16, 16), ("zipf-tail-starves", 16, 4.0, 4, 8),
 
 
 @contextmanager
-def server(adapters: list[str], ranks: list[int], max_loras: int, max_cpu_loras: int):
+def server(adapters: list[str], ranks: list[int], max_loras: int, max_cpu_loras: int,
+           http_path_ms: float | None = None):
     from lorapack.serve.launch import twin_process
 
     modules = [json.dumps({"name": a, "path": f"/adapters/{a}", "rank": r}) for a, r in zip(adapters, ranks, strict=True)]
     flags = ["--model", MODEL, "--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", "16",
              "--max-cpu-loras", str(max_cpu_loras), "--lora-modules", *modules]
+    if http_path_ms is not None:
+        flags += ["--http-path-ms", f"{http_path_ms:.3f}"]
     with twin_process(flags) as url:
         yield url
+
+
+def client_http_path_ms(url: str, n: int = 60, warmup: int = 10) -> float:
+    """Median wall ms from sending a streamed request to ``/lorapack/probe`` (one event, no engine) to having parsed
+    its event, with the replay's own client (aiohttp, one session, JSON per event): what this client's HTTP
+    path adds to a TTFT, which a user who knows it gives the server as ``--http-path-ms``."""
+    import asyncio
+    import time
+
+    import aiohttp
+
+    async def run() -> list[float]:
+        times = []
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            for k in range(warmup + n):
+                t0 = time.monotonic()
+                async with session.post(url + "/lorapack/probe", json={}) as r:
+                    async for raw in r.content:
+                        line = raw.decode().strip()
+                        if line.startswith("data: "):
+                            json.loads(line[6:])
+                            break
+                    took = time.monotonic() - t0
+                if k >= warmup:
+                    times.append(took)
+        return times
+
+    return float(np.median(asyncio.run(run()))) * 1000
 
 
 def _arrivals(n_adapters: int, rate_rps: float, duration_s: float, seed: int):
@@ -82,7 +118,7 @@ def _starved(profile, ranks, arrivals, t_sent, t_first, t_finish, duration_s, fl
 
 
 def run_design(name: str, n_adapters: int, rate: float, max_loras: int, max_cpu_loras: int, duration_s: float,
-               seed: int) -> dict:
+               seed: int, http_path_ms: float | None = None) -> dict:
     from lorapack.profile import find_profile
     from lorapack.server import ServerConfig
     from lorapack.testbed.replay import replay, twin_replay
@@ -92,8 +128,11 @@ def run_design(name: str, n_adapters: int, rate: float, max_loras: int, max_cpu_
     ranks = [16 if k % 2 else 8 for k in range(n_adapters)]
     arrivals = _arrivals(n_adapters, rate, duration_s, seed)
     flags = ServerConfig(max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_cpu_loras, warm_start=False)
-    with server(adapters, ranks, max_loras, max_cpu_loras) as url:
+    import httpx
+
+    with server(adapters, ranks, max_loras, max_cpu_loras, http_path_ms) as url:
         got = replay(url, arrivals, model=MODEL, seed=seed, window_s=duration_s, scrape_every_s=1.0)
+        served_path_ms = httpx.get(url + "/version", timeout=30).json()["http_path_ms"]
     recs = got.records
     sent = np.array([r.t_sent_s for r in recs])
     _m, res = twin_replay(profile, adapters, ranks, arrivals, flags, duration_s, sent_s=sent)
@@ -122,7 +161,8 @@ def run_design(name: str, n_adapters: int, rate: float, max_loras: int, max_cpu_
             diffs_run.append(abs(s.running - tl["num_requests_running"][k]))
             diffs_wait.append(abs(s.waiting - tl["num_requests_waiting"][k]))
     out = {
-        "design": name, "adapters": n_adapters, "rate_rps": rate, "max_loras": max_loras,
+        "design": name, "http_path": "client-measured" if http_path_ms is not None else "server-probe",
+        "http_path_ms": served_path_ms, "adapters": n_adapters, "rate_rps": rate, "max_loras": max_loras,
         "max_cpu_loras": max_cpu_loras, "duration_s": duration_s, "requests": len(recs),
         "errors": sum(bool(r.error) for r in recs),
         "ttft_median_rel_err": float(np.median(ttft_err)) if len(ttft_err) else None,
@@ -152,14 +192,23 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--designs", default=",".join(d[0] for d in DESIGNS))
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve_fidelity.json")
+    ap.add_argument("--http-path", default="both", choices=["server-probe", "client-measured", "both"],
+                    help="server-probe: the server measures its own HTTP path (the default of lorapack serve); "
+                    "client-measured: this client's path to /lorapack/probe, given as --http-path-ms")
     a = ap.parse_args()
+    client_ms = None
+    if a.http_path != "server-probe":
+        with server(["a00"], [8], 1, 1) as url:
+            client_ms = client_http_path_ms(url)
+        print(f"this client's HTTP path (aiohttp, median of 60 probes): {client_ms:.2f} ms", flush=True)
+    variants = {"server-probe": [None], "client-measured": [client_ms], "both": [None, client_ms]}[a.http_path]
     results = []
-    for name, n, rate, slots, cpu in DESIGNS:
+    for (name, n, rate, slots, cpu), path_ms in ((d, v) for d in DESIGNS for v in variants):
         if name not in a.designs.split(","):
             continue
-        r = run_design(name, n, rate, slots, cpu, a.duration_s, a.seed)
+        r = run_design(name, n, rate, slots, cpu, a.duration_s, a.seed, path_ms)
         results.append(r)
-        print(f"{name}: {r['requests']} requests ({r['errors']} errors); TTFT median rel. error "
+        print(f"{name} [{r['http_path']} {r['http_path_ms']:.2f} ms]: {r['requests']} requests ({r['errors']} errors); TTFT median rel. error "
               f"{100 * r['ttft_median_rel_err']:.2f} % (p90 {100 * r['ttft_p90_rel_err']:.1f} %, median abs "
               f"{r['ttft_median_abs_err_ms']:.1f} ms, signed {r['ttft_median_signed_err_ms']:+.1f} ms, twin median "
               f"{r['ttft_twin_median_ms']:.0f} ms), ITL median rel. error {100 * r['itl_median_rel_err']:.2f} % "
@@ -169,7 +218,7 @@ def main() -> None:
               f"mean abs diff; time means scraped {r['metrics_running_mean']:.1f} / {r['metrics_waiting_mean']:.1f}, twin "
               f"{r['twin_running_mean']:.1f} / {r['twin_waiting_mean']:.1f}", flush=True)
     out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()[0]},
-           "designs": results}
+           "client_http_path_ms": client_ms, "designs": results}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {a.out}")

@@ -190,8 +190,10 @@ def serve_figures() -> str:
                         f"{1000 * r['lag']['p99_s']:.0f} ms | `serve_load.json` |")
     if (d := have("serve_fidelity.json")) is not None:
         for r in d["designs"]:
+            path = (f"; HTTP path {r['http_path_ms']:.2f} ms {r['http_path'].replace('-', ' ')}"
+                    if "http_path" in r else "")
             rows.append(f"| client vs `simulate`, {r['design']} ({r['adapters']} adapters, {r['rate_rps']:g} req/s, "
-                        f"`--max-loras {r['max_loras']}`, {r['duration_s']:.0f} s): median per-request error "
+                        f"`--max-loras {r['max_loras']}`, {r['duration_s']:.0f} s{path}): median per-request error "
                         f"(≤ 5 %), starved adapters (same) | TTFT {100 * r['ttft_median_rel_err']:.2f} % (median "
                         f"{r['ttft_median_signed_err_ms']:+.1f} ms), ITL {100 * r['itl_median_rel_err']:.2f} %; "
                         f"starved {'the same' if r['same_starved'] else 'different'} ({len(r['starved_twin'])}); "
