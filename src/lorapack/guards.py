@@ -7,16 +7,22 @@ simulates (``twin.run.simulate``/``simulate_requests``, ``twin.engine.Engine``/`
 ``sweep``) estimates first and raises ``ResourceLimitError`` -- one line naming the input and the limit (the
 estimate of a workload spec is ``workload.cost.estimate_workload``):
 
-==========================  ==============================================  ======
-limit                       default                                          kind
-==========================  ==============================================  ======
-requests in one run         50,000,000 (``DEFAULT_MAX_REQUESTS``)            soft
-memory of one run           half of this machine's memory                    soft
-engine steps of one run     500,000,000 (``DEFAULT_MAX_STEPS``)              soft
-arrival periods generated   5,000,000 adapter-periods (unpredictable)        soft
-requests in one run         2**31 - 1 (array indices)                        hard
-memory of one run           all of this machine's memory                     hard
-==========================  ==============================================  ======
+============================  ==============================================  ======
+limit                         default                                          kind
+============================  ==============================================  ======
+requests in one run           50,000,000 (``DEFAULT_MAX_REQUESTS``)            soft
+memory of one run             half of this machine's memory                    soft
+engine steps of one run       500,000,000 (``DEFAULT_MAX_STEPS``)              soft
+arrival periods generated     5,000,000 adapter-periods (unpredictable)        soft
+requests in one run           2**31 - 1 (array indices)                        hard
+memory of one run             all of this machine's memory                     hard
+adapters + replicas placed    100,000 (``DEFAULT_MAX_PLACE_ENTRIES``)          soft
+twin requests of a placement  20,000,000 (``DEFAULT_MAX_PLACE_TWIN_REQUESTS``)  soft
+memory of a placement         half / all of this machine's memory              soft / hard
+============================  ==============================================  ======
+
+``place`` estimates its own cost first (``placement.estimate``: replicas, GPUs, memory, the requests its twin
+runs would simulate) and refuses past the last three rows.
 
 ``Limits(force=True)`` (the CLI's ``--force``) lifts the soft limits; the hard ones always hold (such a run
 cannot finish on this machine). Generation also counts as it goes (``Limits.request_budget``), so a
@@ -35,6 +41,10 @@ from .errors import ResourceLimitError
 DEFAULT_MAX_REQUESTS = 50_000_000
 DEFAULT_MAX_STEPS = 500_000_000
 DEFAULT_MAX_PERIODS = 5_000_000
+# one placement (``placement.estimate``): adapters and --split-hot replicas to place, and requests its twin runs
+# simulate in all (at the twin's ~130-250 k requests/s per core, 20 M are a few minutes on 2 cores)
+DEFAULT_MAX_PLACE_ENTRIES = 100_000
+DEFAULT_MAX_PLACE_TWIN_REQUESTS = 20_000_000
 MEMORY_FRACTION = 0.5
 HARD_MAX_REQUESTS = 2**31 - 1
 # peak bytes per simulated request: generation (times, draws, sort order), the engine's request arrays
@@ -83,6 +93,8 @@ class Limits:
     max_steps: int = DEFAULT_MAX_STEPS
     max_periods: int = DEFAULT_MAX_PERIODS
     force: bool = False
+    max_place_entries: int = DEFAULT_MAX_PLACE_ENTRIES
+    max_place_twin_requests: int = DEFAULT_MAX_PLACE_TWIN_REQUESTS
 
     def memory_limit(self) -> int:
         if self.max_memory_bytes is not None:

@@ -32,8 +32,17 @@ from ..oracle import (
 from ..profile import Profile
 from ..server import ServerConfig
 from .baselines import Assignment, shares_of
-from .bound import CapacityFn, LowerBound, VerifierRuns, latency_capacity, lower_bound, twin_capacity
+from .bound import (
+    CapacityFn,
+    LowerBound,
+    ObjectiveUnreachable,
+    VerifierRuns,
+    latency_capacity,
+    lower_bound,
+    twin_capacity,
+)
 from .config import DEFAULT_VERIFY_SEEDS, PlaceConfig
+from .estimate import SPLIT_TARGET, VERIFY_DURATION_S, asks_the_twin, guard_placement, objective_flags
 from .greedy import (
     N_MAX,
     GpuFill,
@@ -56,13 +65,10 @@ from .verify import Judges, RepairLog, Verdict, fill_candidate, repair, verify_f
 if TYPE_CHECKING:
     from ..spec import Workload
 
-VERIFY_DURATION_S = 3600.0
 # a verified greedy plan spreads its load when its worst GPU's mean TTFT exceeds this multiple of its lightest
 # GPU's (``_spread``), and takes an arrangement whose worst GPU waits at least SPREAD_GAIN less
 SPREAD_RATIO = 2.0
 SPREAD_GAIN = 0.2
-# --split-hot: replicas carry at most this fraction of the capacity K(S) each (room to share a GPU)
-SPLIT_TARGET = 0.5
 MAX_SPLIT_ROUNDS = 6
 
 Progress = Callable[[str], None]
@@ -382,6 +388,10 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
     else:
         inst = instance_from_workload(adapters, headroom=config.headroom, mean_input_tokens=config.mean_input_tokens,
                                       mean_output_tokens=config.mean_output_tokens, profile=profile)
+    # before any work (the bound's latency row alone simulates for seconds): an objective no GPU can meet, and
+    # a placement past the resource limits (``--force`` lifts them), are refused in milliseconds
+    guard_placement(inst, profile, config, twin_oracle=overrides.oracle is None and asks_the_twin(
+        method.oracle, inst, profile), pool_search=not method.greedy and config.gpus is None)
     ctx = Context.of(profile, config, overrides, verify_arrivals, progress)
     ctx.lengths_probe = inst.candidate(profile, [0], 1)
     n_max = ctx.options.n_max
@@ -405,7 +415,10 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
     # the latency row needs the twin: skipped with a toy capacity unless a toy latency capacity comes with it
     lat_cap = overrides.latency_capacity if overrides.latency_capacity is not None or overrides.capacity is not None \
         or not objective.limits() else ctx.lat_cap(inst, verify_seeds)
-    bound = lower_bound(inst, profile, n_max=n_max, capacity=ctx.cap(inst), latency_capacity=lat_cap)
+    try:
+        bound = lower_bound(inst, profile, n_max=n_max, capacity=ctx.cap(inst), latency_capacity=lat_cap)
+    except ObjectiveUnreachable as e:  # said with the limits that cannot be met
+        raise ObjectiveUnreachable(f"{objective_flags(objective)}: {e}") from None
     diagnostics: dict = {}
     if bound.hot_adapters and not config.split_hot:
         return _infeasible(method, profile, settings, bound, diagnostics,

@@ -14,8 +14,9 @@ meets every latency limit in at least one of the verification's seeds, simulated
 full hour, the verifier's arrival law: Poisson or a load profile). A GPU with more adapters pays LoRA and
 scheduler costs on top, so no GPU that passes verification carries more (up to simulation noise, which the
 "one seed of three" rule and the bracket's upper end absorb). Bisection: the bracket ``(0, K(S)]`` halved
-``LATENCY_BISECTION_STEPS`` times, ``L(S)`` = its upper end (the smallest load seen failing); about ten hour-long
-runs per rank class, cached.
+``LATENCY_BISECTION_STEPS`` times, ``L(S)`` = its upper end (the smallest load seen failing), or 0 when not even
+the lightest load tried passes -- then no GPU meets the objective and ``lower_bound`` says so (splitting hot
+adapters would not help); about ten hour-long runs per rank class, cached.
 
 ``C(S)`` and ``L(S)`` are computed lazily and cached on disk, one JSON file in the user cache directory
 (``$LORAPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/lorapack``, else ``~/.cache/lorapack``), keyed by profile
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import LorapackError
+from ..errors import LorapackError, SpecError
 from ..objective import STARVATION_RATIO, Objective
 from ..oracle import CandidateArrivals, default_slot_rank
 from ..profile import Profile
@@ -189,7 +190,8 @@ def latency_capacity(profile: Profile, mean_input_tokens: float, mean_output_tok
     limits = json.dumps(objective.limits(), sort_keys=True)
 
     def key_of(s: int) -> str:
-        return (f"{_capacity_key(profile, s, mean_input_tokens, mean_output_tokens, runs.lengths)}|lat{limits}|"
+        # "lat2": since L(S) = 0 when no load tried meets the limits (it was the lightest load tried)
+        return (f"{_capacity_key(profile, s, mean_input_tokens, mean_output_tokens, runs.lengths)}|lat2{limits}|"
                 f"law-{law}|"
                 f"seeds{','.join(map(str, runs.seeds))}|{runs.duration_s:g}s")
 
@@ -228,7 +230,13 @@ def simulate_latency_capacity_tok_s(profile: Profile, slot_rank: int, mean_input
             hi = mid
     if hi == top and passes(top):
         return top_tok_s
+    if lo == 0.0:  # not even the lightest load tried (top / 2**steps) met the limits: no GPU meets them
+        return 0.0
     return hi * tau
+
+
+class ObjectiveUnreachable(SpecError):
+    """No GPU meets the objective's latency limits even with one adapter alone at a light load."""
 
 
 @dataclass
@@ -309,6 +317,13 @@ def lower_bound(inst: Instance, profile: Profile | None = None, *, n_max: int = 
     classes = sorted(set(slot.tolist()))
     k_thr = {s: float(capacity(s)) / STARVATION_RATIO for s in classes}
     k_lat = {s: float(latency_capacity(s)) for s in classes} if latency_capacity is not None else {}
+    unmet = [s for s, v in k_lat.items() if v <= 0]
+    if unmet:
+        s = unmet[0]
+        raise ObjectiveUnreachable(f"no GPU meets the latency limits even with one adapter alone (--max-lora-rank {s}) at "
+                        f"{k_thr[s] / 2 ** LATENCY_BISECTION_STEPS:,.0f} tok/s, 1/{2 ** LATENCY_BISECTION_STEPS} of "
+                        f"what it serves saturated, in any of the verifier's seeds; expected looser limits "
+                        f"(splitting adapters or more GPUs cannot help)")
     k = {s: min(k_thr[s], k_lat.get(s, math.inf)) for s in classes}
     d_tok = inst.demand_tok_s
     demand = {s: float(d_tok[slot == s].sum()) for s in classes}

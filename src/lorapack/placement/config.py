@@ -65,6 +65,7 @@ class PlaceConfig:
     mean_input_tokens: float | None = _opt(None, "Override the mean prompt tokens.")
     mean_output_tokens: float | None = _opt(None, "Override the mean output tokens.")
     workers: int | None = _opt(None, "Worker processes for twin runs (0 = all cores; default: up to 2).")
+    force: bool = _opt(False, lambda: _force_help())
 
     def __post_init__(self) -> None:
         get_method(self.method)
@@ -93,6 +94,8 @@ class PlaceConfig:
                 raise SpecError(f"--{name.replace('_', '-')} {v}: expected a finite number of tokens >= 1")
         if self.workers is not None:
             check_workers(self.workers)
+        if not isinstance(self.force, bool):
+            raise SpecError(f"force {self.force!r}: expected True or False")
 
     def worker_count(self) -> int:
         """Processes for twin runs: ``workers`` (0 = all cores), by default up to 2."""
@@ -113,6 +116,15 @@ class PlaceConfig:
         if choice == "workload":
             return workload_verify_law(adapters)
         return trace_load_law(Path(choice))
+
+
+def _force_help() -> str:
+    from ..guards import DEFAULT_MAX_PLACE_ENTRIES, DEFAULT_MAX_PLACE_TWIN_REQUESTS
+
+    return (f"Place anyway past the soft resource limits of a placement, estimated before any work: "
+            f"{DEFAULT_MAX_PLACE_ENTRIES:,} adapters and --split-hot replicas, {DEFAULT_MAX_PLACE_TWIN_REQUESTS:,} "
+            f"requests simulated by the twin (verification, the twin as the oracle, the pool search), half of "
+            f"this machine's memory. All of the memory stays a hard limit.")
 
 
 def workload_verify_law(workload: object) -> CandidateArrivals | None:
