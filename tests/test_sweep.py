@@ -35,7 +35,17 @@ from lorapack.sweep import (
     select_configs,
     with_overrides,
 )
-from lorapack.sweep.work import clear_request_cache, config_requests, features
+from lorapack.sweep.runner import build_batches
+from lorapack.sweep.work import (
+    PRUNE_CLEAR_RATIO,
+    arrivals_generated,
+    arrivals_group,
+    arrivals_key,
+    clear_request_cache,
+    config_requests,
+    features,
+    run_batch,
+)
 from sweep_helpers import TINY, write_grid
 
 LLAMA = "llama-3.1-8b-instruct"
@@ -222,26 +232,63 @@ def test_oom_rows_are_written_without_simulating(tmp_path):
     assert set(read_rows(tmp_path / "out").column_names) == set(COLUMNS)
 
 
-def test_pruning_fills_the_series_after_two_starving_points(tmp_path):
+@pytest.mark.parametrize("clear_ratio", [PRUNE_CLEAR_RATIO, 0.0])
+def test_pruning_fills_the_series_after_two_starving_points_or_one_clear_one(tmp_path, clear_ratio):
     g = GridSpec(model=LLAMA, rate_tuples=[[3.2, 1.6, 0.8]], rank_tuples=[[8, 8, 16]],
                  served_adapters=[8, 16, 32, 64, 96], adapter_slots=[8],
                  lengths={"kind": "fixed"}, duration_s=120)
     prof = find_profile(LLAMA)
     units = build_units(enumerate_configs(g), prune=True)
     assert len(units) == 1 and [c.served_adapters for c in units[0].configs] == [8, 16, 32, 64, 96]
-    pruned = run_unit(units[0], prof, Shortcuts(early_stop=False))
+    pruned = run_unit(units[0], prof, Shortcuts(early_stop=False, prune_clear_ratio=clear_ratio))
     full = [r for u in build_units(enumerate_configs(g), prune=False)
             for r in run_unit(u, prof, Shortcuts(early_stop=False, prune=False))]
-    starved = [r["starved"] for r in sorted(full, key=lambda r: r["served_adapters"])]
+    full.sort(key=lambda r: r["served_adapters"])
+    starved = [r["starved"] for r in full]
     first = starved.index(True)
-    assert first + 2 < len(starved), starved  # the test needs points left to prune
+    clear = full[first]["throughput_ratio"] < clear_ratio
+    assert clear == (clear_ratio > 0)  # the grid starves clearly at its first starving point
+    cut = first + (1 if clear else 2)  # simulated points
+    assert cut < len(starved), starved  # the test needs points left to prune
     how = [r["obtained"] for r in pruned]
-    assert how[: first + 2] == ["full"] * (first + 2) and set(how[first + 2:]) == {"pruned"}
-    for r in pruned[first + 2:]:
+    assert how[:cut] == ["full"] * cut and set(how[cut:]) == {"pruned"}
+    for r in pruned[cut:]:
         assert r["starved"] is True and r["simulated_s"] == 0.0
         assert math.isnan(r["throughput_tok_s"]) and math.isnan(r["incoming_tok_s"]) and r["n_arrived"] is None
         assert r["incoming_expected_tok_s"] > 0
-    assert all(r["starved"] for r in pruned[first:])
+    assert all(r["starved"] for r in pruned[first:]) and all(starved[first:])  # the pruned rows are right
+
+
+def test_batches_keep_arrival_groups_together_and_change_no_row(tmp_path, monkeypatch):
+    """Units run in batches of one arrivals group (N by N across the group's series): the rows are those of
+    the units run one by one, in any split, and every arrival set is generated once per batch."""
+    g = load_grid(write_grid(tmp_path))
+    prof = find_profile(LLAMA)
+    units = build_units(enumerate_configs(g), prune=True)
+    monkeypatch.setattr("lorapack.sweep.runner.BATCHES_PER_WORKER", 1)  # a grid this small is split otherwise
+    batches = build_batches(units, workers=1)
+    assert len(batches) == len(g.rate_tuple_list())  # one per rate tuple (one seed, one length law)
+    assert sorted(id(u) for b in batches for u in b.units) == sorted(id(u) for u in units)
+    assert all(len({arrivals_group(c) for u in b.units for c in u.configs}) == 1 for b in batches)
+    assert len(build_batches(units, workers=4)) > len(batches)  # split for more workers
+
+    def strip(rows):
+        return json.dumps([{k: v for k, v in r.items() if k not in ("wall_s", "cpu_s", "arrivals_s")}
+                           for r in rows], default=str)
+
+    clear_request_cache()
+    one_by_one = [run_unit(u, prof, Shortcuts()) for u in units]
+    clear_request_cache()
+    s0, n0 = arrivals_generated()
+    batched = [rows for b in batches for rows in run_batch(b, prof, Shortcuts())]
+    _s1, n1 = arrivals_generated()
+    assert strip([r for rows in batched for r in rows]) == strip([r for rows in one_by_one for r in rows])
+    sets = {arrivals_key(c) for u, rows in zip(units, one_by_one, strict=True)
+            for c, r in zip(u.configs, rows, strict=True) if r["obtained"] not in ("oom", "pruned")}
+    clear_request_cache()
+    expected = sum(len(config_requests(next(c for u in units for c in u.configs if arrivals_key(c) == k)))
+                   for k in sets)
+    assert n1 - n0 == expected  # each simulated arrival set generated once
 
 
 def test_request_cache_is_shared_read_only_and_changes_nothing(tmp_path):

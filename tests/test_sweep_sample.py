@@ -100,15 +100,17 @@ def test_stratified_total_is_exact_on_a_census_and_unbiased_on_samples():
     assert t == pytest.approx(250 * cost[:250].mean() + 750 * cost[sampled & (strata > 0)].mean())
 
 
-def test_generation_is_charged_once_per_worker_and_arrival_set():
-    sets = {"a": [1_000_000.0, 70], "b": [2_000.0, 1]}
-    one = generation_s(sets, 1e-7, 1.0, 1)
-    assert one == pytest.approx((1_000_000 + 2_000) * 1e-7)  # one worker: each set once
-    two = generation_s(sets, 1e-7, 1.0, 2)
-    assert two == pytest.approx((2 * 1_000_000 + 2_000) * 1e-7, rel=1e-6)  # set a on both workers
-    huge = generation_s({"h": [1e8, 3]}, 1e-7, 1.0, 2)
+def test_generation_is_charged_once_per_batch_and_arrival_set():
+    # arrival-set keys as work.arrivals_key builds them: (seed, N, rates...); the group drops N
+    a, b = (0, 64, (0.1,)), (0, 8, (0.2,))
+    sets = {a: [1_000_000.0, 70], b: [2_000.0, 1]}
+    one = generation_s(sets, 1e-7, 1.0)
+    assert one == pytest.approx((1_000_000 + 2_000) * 1e-7)  # one batch per group: each set once
+    two = generation_s(sets, 1e-7, 1.0, {(0, (0.1,)): 2})
+    assert two == pytest.approx((2 * 1_000_000 + 2_000) * 1e-7, rel=1e-6)  # set a's group split in two batches
+    huge = generation_s({a: [1e8, 3]}, 1e-7, 1.0)
     assert huge == pytest.approx(3 * 1e8 * 1e-7)  # too large for the cache: every config generates it
-    assert generation_s(sets, 1e-7, 0.0, 2) == 0.0  # nothing simulated, nothing generated
+    assert generation_s(sets, 1e-7, 0.0) == 0.0  # nothing simulated, nothing generated
 
 
 # ---------------------------------------------------------------------------------------------------------

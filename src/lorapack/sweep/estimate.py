@@ -11,10 +11,10 @@ Projection (every rate measured on the sample, none assumed):
   the arrivals generation; boundary-seed reruns included); the full selection's total is a post-stratified
   mean over the series' startable configs (``A_max`` and the start-up rule set how many configs a series can
   simulate) and their mean adapter rate, ``STRATA_PER_AXIS`` quantile bins each;
-* **arrivals**: a full sweep generates each arrival set ``(seed, rates, N, lengths, window)`` about once per
-  worker and reuses it for every rank tuple and ``A_max`` (``work.config_requests``), a sample of scattered
-  series hardly ever: the generation is timed apart (seconds per request) and charged per arrival set of the
-  full selection, times the workers expected to need it;
+* **arrivals**: a full sweep generates each arrival set ``(seed, rates, N, lengths, window)`` once per batch
+  holding it (``runner.build_batches``: one batch per arrivals group, or a share of a large one) and reuses it
+  for every rank tuple and ``A_max``, a sample of scattered series hardly ever: the generation is timed apart
+  (seconds per request) and charged per arrival set of the full selection, times the batches that need it;
 * **phases**: an executor run takes ``S + busy / p``: ``S`` is the workers' start (spawn, engine warm-up: the
   first completion minus its busy time), ``p`` the effective parallelism of the rest (measured), so the full
   run takes ``S + (phases - S) * busy_full / busy_sample``;
@@ -41,40 +41,18 @@ import numpy as np
 
 from ..checks import check_workers
 from ..errors import SpecError
-from ..executor import BACKENDS
+from ..executor import BACKENDS, default_workers
 from ..guards import Limits
 from ..profile import Profile, find_profile
 from .grid import BOUNDARY_SEED_STRIDE, GridSpec, SweepConfig, shuffled_series, take_series
-from .runner import build_units, check_resources, run_sweep
-from .work import (
-    REQUEST_CACHE_BUDGET,
-    Shortcuts,
-    WorkUnit,
-    arrivals_generated,
-    arrivals_key,
-    oom_row,
-    run_unit,
-)
+from .runner import build_batches, build_units, check_resources, run_sweep
+from .work import REQUEST_CACHE_BUDGET, Shortcuts, WorkUnit, arrivals_group, arrivals_key, oom_row
 
 # 1,500 configs of paper-llama (~260 whole series) take ~35 s on 2 idle cores, ~90 s on 2 busy ones; the
 # stratified per-series cost leaves a sampling error of ~4 % (docs/sweep.md, "Samples and estimates")
 DEFAULT_SAMPLE_CONFIGS = 1500
 STRATA_PER_AXIS = 3
 MIN_PER_STRATUM = 5  # strata with fewer sampled series are pooled (a mean of 1-4 series is noise)
-
-
-def timed_unit(unit: WorkUnit, profile: Profile, shortcuts: Shortcuts) -> list[dict]:
-    """``run_unit``, plus on the unit's first row its arrivals generation (``arrivals_s``,
-    ``arrivals_requests``) and the CPU seconds of the whole unit (``unit_cpu_s``); none of them is stored
-    (the Parquet schema has no such columns)."""
-    s0, n0 = arrivals_generated()
-    cpu0 = time.process_time()
-    rows = run_unit(unit, profile, shortcuts)
-    cpu_s = time.process_time() - cpu0
-    s1, n1 = arrivals_generated()
-    if rows:
-        rows[0].update(arrivals_s=s1 - s0, arrivals_requests=n1 - n0, unit_cpu_s=cpu_s)
-    return rows
 
 
 def _bins(values: np.ndarray, n_bins: int) -> np.ndarray:
@@ -120,7 +98,7 @@ def series_strata(series: list[list[SweepConfig]], profile: Profile) -> np.ndarr
 
 
 def arrival_sets(configs: list[SweepConfig], profile: Profile) -> dict[tuple, list]:
-    """Per arrival set (``work._arrivals_key``) of the startable configs: ``[expected requests, configs]``."""
+    """Per arrival set (``work.arrivals_key``) of the startable configs: ``[expected requests, configs]``."""
     out: dict[tuple, list] = {}
     for c in configs:
         if not profile.startup(c.adapter_slots, c.max_lora_rank)[0]:
@@ -132,19 +110,20 @@ def arrival_sets(configs: list[SweepConfig], profile: Profile) -> dict[tuple, li
     return out
 
 
-def generation_s(sets: dict[tuple, list], s_per_request: float, simulated_share: float, workers: int) -> float:
-    """Seconds a sweep spends generating the arrival sets ``sets``: each about once per worker that runs one
-    of its configs (``simulated_share`` of the startable ones run; the rest are pruned), every time when the
-    set is too large for the workers' cache."""
+def generation_s(sets: dict[tuple, list], s_per_request: float, simulated_share: float,
+                 shares: dict[tuple, int] | None = None) -> float:
+    """Seconds a sweep spends generating the arrival sets ``sets``: each once per batch that runs one of its
+    configs (``simulated_share`` of the startable ones run; the rest are pruned); ``shares``: batches per
+    arrivals group (``work.arrivals_group`` of the set's configs; 1 when missing), every time when the set is
+    too large for a worker's cache."""
     total = 0.0
-    for requests, n_configs in sets.values():
+    for key, (requests, n_configs) in sets.items():
         users = n_configs * simulated_share
         if requests > REQUEST_CACHE_BUDGET:
             times = users
-        elif workers > 1:  # expected distinct workers among `users` configs spread over `workers`
-            times = workers * (1.0 - (1.0 - 1.0 / workers) ** users)
-        else:
-            times = min(1.0, users)
+        else:  # expected batches among the group's shares that run one of the set's configs
+            k = (shares or {}).get(key[:1] + key[2:], 1)
+            times = k * (1.0 - (1.0 - 1.0 / k) ** users) if k > 1 else min(1.0, users)
         total += requests * times
     return total * s_per_request
 
@@ -156,15 +135,21 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _prep_s(configs: list[SweepConfig], profile: Profile, shortcuts: Shortcuts,
-            limits: Limits | None) -> tuple[float, list[SweepConfig]]:
-    """Seconds ``run_sweep`` spends costing ``configs``, finding the OOM ones and building units; the OOM ones."""
+def _prep_s(configs: list[SweepConfig], profile: Profile, shortcuts: Shortcuts, limits: Limits | None,
+            workers: int) -> tuple[float, list[SweepConfig], dict[tuple, int]]:
+    """Seconds ``run_sweep`` spends costing ``configs``, finding the OOM ones and building units and batches;
+    the OOM ones; the batches per arrivals group."""
     t0 = time.perf_counter()
     check_resources(configs, profile, limits)
     oom = [c for c in configs if not profile.startup(c.adapter_slots, c.max_lora_rank)[0]]
     ids = {c.config_id for c in oom}
-    build_units([c for c in configs if c.config_id not in ids], shortcuts.prune, limits)
-    return time.perf_counter() - t0, oom
+    batches = build_batches(build_units([c for c in configs if c.config_id not in ids], shortcuts.prune, limits),
+                            workers)
+    shares: dict[tuple, int] = {}
+    for b in batches:
+        g = arrivals_group(b.units[0].configs[0])
+        shares[g] = shares.get(g, 0) + 1
+    return time.perf_counter() - t0, oom, shares
 
 
 def _seconds_per_oom_row(configs: list[SweepConfig], profile: Profile) -> float:
@@ -201,10 +186,12 @@ def estimate_sweep(grid: GridSpec, *, backend: str = "local", address: str | Non
     full = take_series(order, limit) if limit is not None else order
     select_s = time.perf_counter() - t0
     full_configs = [c for s in full for c in s]
-    prep_full_s, oom_full = _prep_s(full_configs, profile, shortcuts, limits)  # refuses what the sweep refuses
+    n_workers_expected = default_workers() if workers == 0 else workers
+    prep_full_s, oom_full, shares_full = _prep_s(full_configs, profile, shortcuts, limits,  # refuses what the
+                                                 n_workers_expected)  # sweep refuses
     sample = take_series(full, sample_configs)  # a prefix of a random order: a random sample of the series
     sample_cfgs = [c for s in sample for c in s]
-    prep_sample_s, oom_sample = _prep_s(sample_cfgs, profile, shortcuts, limits)
+    prep_sample_s, oom_sample, _shares = _prep_s(sample_cfgs, profile, shortcuts, limits, n_workers_expected)
 
     # per sampled series: busy seconds without arrivals generation (a boundary-seed rerun counts, whole, for
     # the series of its config: its arrivals are its own in a full sweep too)
@@ -224,7 +211,7 @@ def estimate_sweep(grid: GridSpec, *, backend: str = "local", address: str | Non
     def on_unit(unit: WorkUnit, rows: list[dict]) -> None:
         unit_busy = sum(float(r["wall_s"]) for r in rows)
         worker["busy_s"] += unit_busy
-        worker["cpu_s"] += sum(float(r.get("unit_cpu_s", 0.0)) for r in rows)
+        worker["cpu_s"] += sum(float(r.get("cpu_s", 0.0)) for r in rows)
         for r in rows:
             busy = float(r["wall_s"])
             if r["config_id"] not in boundary_ids:
@@ -242,7 +229,7 @@ def estimate_sweep(grid: GridSpec, *, backend: str = "local", address: str | Non
         t_run = time.perf_counter()
         summary = run_sweep(grid, Path(tmp) / "sample", backend=backend, address=address, workers=workers,
                             shortcuts=shortcuts, configs=sample_cfgs, progress=progress, on_unit=on_unit,
-                            limits=limits, timings=timings, unit_fn=timed_unit)
+                            limits=limits, timings=timings, timed=True)
     sample_cpu_s = _cpu_s() - cpu0 if backend == "local" else None  # Ray's workers are not our children
     load_after = os.getloadavg()
     sample_wall_s = summary["wall_s"]
@@ -258,7 +245,7 @@ def estimate_sweep(grid: GridSpec, *, backend: str = "local", address: str | Non
     startable_sample = len(sample_cfgs) - len(oom_sample)
     share = gen["simulated"] / startable_sample if startable_sample else 1.0
     s_per_request = gen["s"] / gen["requests"] if gen["requests"] else 0.0
-    gen_full_s = generation_s(arrival_sets(full_configs, profile), s_per_request, share, n_workers)
+    gen_full_s = generation_s(arrival_sets(full_configs, profile), s_per_request, share, shares_full)
     busy_sample_s = float(sim_s.sum()) + gen["s"]
     busy_full_s = sim_full_s + gen_full_s
 
@@ -311,4 +298,4 @@ def estimate_sweep(grid: GridSpec, *, backend: str = "local", address: str | Non
     }
 
 
-__all__ = ["DEFAULT_SAMPLE_CONFIGS", "estimate_sweep", "generation_s", "stratified_total", "timed_unit"]
+__all__ = ["DEFAULT_SAMPLE_CONFIGS", "estimate_sweep", "generation_s", "stratified_total"]

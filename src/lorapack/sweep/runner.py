@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +29,17 @@ from .store import (
     read_rows,
     write_meta,
 )
-from .work import OBTAINED_OOM, OBTAINED_PRUNED, Shortcuts, WorkUnit, early_stop_available, oom_row, run_unit
+from .work import (
+    OBTAINED_OOM,
+    OBTAINED_PRUNED,
+    Shortcuts,
+    WorkBatch,
+    WorkUnit,
+    arrivals_group,
+    early_stop_available,
+    oom_row,
+    run_batch,
+)
 
 FLUSH_ROWS = 2000
 FLUSH_S = 20.0
@@ -77,6 +88,27 @@ def build_units(configs: list[SweepConfig], prune: bool, limits: Limits | None =
     return units
 
 
+# at least this many tasks per worker, so that the last ones leave no worker idle for long: a group larger
+# than its share is split (its arrival sets are then generated once per share)
+BATCHES_PER_WORKER = 8
+
+
+def build_batches(units: list[WorkUnit], workers: int, timed: bool = False) -> list[WorkBatch]:
+    """The units in tasks: one per arrivals group (``work.arrivals_group``, in order of first appearance), a
+    group of more than ``len(units) / (BATCHES_PER_WORKER * workers)`` units cut into shares of about that
+    size. Rows do not depend on it."""
+    groups: dict[tuple, list[WorkUnit]] = {}
+    for u in units:
+        groups.setdefault(arrivals_group(u.configs[0]), []).append(u)
+    cap = max(1, math.ceil(len(units) / (BATCHES_PER_WORKER * max(1, workers))))
+    batches = []
+    for us in groups.values():
+        n_shares = math.ceil(len(us) / cap)
+        bounds = [round(k * len(us) / n_shares) for k in range(n_shares + 1)]  # shares of equal size +- 1
+        batches += [WorkBatch(us[lo:hi], timed) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    return batches
+
+
 def _worker_warm_up() -> None:
     """Compile (or load) the engine once per worker, so that rows' ``wall_s`` exclude it."""
     from ..twin.engine import warm_up
@@ -86,14 +118,14 @@ def _worker_warm_up() -> None:
 
 def execute(units: list[WorkUnit], profile: Profile, shortcuts: Shortcuts, backend: str = "local",
             workers: int = 0, address: str | None = None, session: RaySession | None = None,
-            unit_fn: Callable[[WorkUnit, Profile, Shortcuts], list[dict]] = run_unit,
-            ) -> Iterator[tuple[WorkUnit, list[dict]]]:
-    """Run ``units`` with the executor (``lorapack.executor``); yields ``(unit, rows)`` as units complete.
-
-    ``unit_fn``: ``run_unit`` or a picklable wrapper of it (``--estimate`` times the arrivals with one)."""
+            timed: bool = False) -> Iterator[tuple[WorkUnit, list[dict]]]:
+    """Run ``units`` with the executor (``lorapack.executor``) in batches (``build_batches``); yields
+    ``(unit, rows)`` as batches complete. ``timed``: rows also carry their CPU and arrivals-generation seconds
+    (``WorkBatch.timed``; ``--estimate``)."""
     with Executor(workers, backend, address, initializer=_worker_warm_up, session=session) as ex:
-        for i, rows in ex.imap(unit_fn, ((u, profile, shortcuts) for u in units)):
-            yield units[i], rows
+        batches = build_batches(units, ex.workers, timed)
+        for i, rows in ex.imap(run_batch, ((b, profile, shortcuts) for b in batches)):
+            yield from zip(batches[i].units, rows, strict=True)
 
 
 def sweep_meta(grid: GridSpec, profile: Profile, shortcuts: Shortcuts) -> dict:
@@ -113,15 +145,15 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
               shortcuts: Shortcuts = Shortcuts(), configs: list[SweepConfig] | None = None,
               progress: bool = False, flush_rows: int = FLUSH_ROWS, flush_s: float = FLUSH_S,
               on_unit: Callable[[WorkUnit, list[dict]], None] | None = None, limits: Limits | None = None,
-              timings: dict | None = None,
-              unit_fn: Callable[[WorkUnit, Profile, Shortcuts], list[dict]] = run_unit) -> dict:
+              timings: dict | None = None, timed: bool = False) -> dict:
     """Run (or continue) a sweep of ``grid`` into ``out``; returns the summary dict.
 
     ``configs`` replaces the grid's selection (benches and ``--estimate`` use it to run a sample); ``limit``
     takes whole N-series of the grid's fixed seeded shuffle of series until at least K configs
     (``grid.select_configs``). ``timings`` (a dict, filled in; seconds since the start): ``setup_s`` (until the
     workers start), ``oom_rows_s`` (building OOM rows, part of the setup), ``phases`` (``[start, end]`` of each
-    executor run: the grid, then the boundary seeds); ``unit_fn`` replaces ``run_unit`` (see ``execute``).
+    executor run: the grid, then the boundary seeds); ``timed``: rows also carry CPU and arrivals seconds (see
+    ``execute``).
 
     Rows are appended as atomic Parquet parts after every ``flush_rows`` rows or ``flush_s`` seconds (whole
     units only), and once more at the end or on an error.
@@ -229,7 +261,7 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
 
             def run_units(units: list[WorkUnit]) -> None:
                 start = time.perf_counter() - t0
-                for unit, rows in execute(units, profile, shortcuts, backend, workers, address, session, unit_fn):
+                for unit, rows in execute(units, profile, shortcuts, backend, workers, address, session, timed):
                     take(rows)
                     if on_unit is not None:
                         on_unit(unit, rows)
@@ -272,4 +304,4 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
         }
 
 
-__all__ = ["build_units", "read_rows", "run_sweep", "sweep_meta"]
+__all__ = ["build_batches", "build_units", "read_rows", "run_sweep", "sweep_meta"]

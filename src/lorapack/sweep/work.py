@@ -50,6 +50,11 @@ OBTAINED_OOM = "oom"
 STOP_REASONS = ("full", "certain_starved", "likely_starved", "healthy_converged")
 # a series is pruned after this many consecutive starving N points (the first + one more, docs/sweep.md, N-series pruning)
 PRUNE_AFTER_STARVING = 2
+# ... or after one point that starves clearly: its throughput below this share of the offered tokens. The next N
+# of a grid offers >= 1.2x the load (paper grids: 320 -> 384, 160 -> 192) to no more capacity, so a run that
+# served < 80 % cannot serve >= 90 % there; the second point only rules out noise near the 0.9 boundary
+# (bench/sweep_shortcuts.py compares every pruned row with its full-length run)
+PRUNE_CLEAR_RATIO = 0.8
 
 NAN = float("nan")
 METRIC_KEYS_FLOAT = ("throughput_tok_s", "input_tok_s", "output_tok_s", "incoming_tok_s", "throughput_ratio",
@@ -67,10 +72,12 @@ class Shortcuts:
     likely: bool = True  # early stop: sequential test for starvation
     healthy: bool = True  # early stop: healthy run's throughput converged
     prune: bool = True  # N-series pruning
+    # N-series pruning after one clearly starving point (``PRUNE_CLEAR_RATIO``; 0: only after two starving points)
+    prune_clear_ratio: float = PRUNE_CLEAR_RATIO
 
     def as_dict(self) -> dict:
         return {"early_stop": self.early_stop, "certain": self.certain, "likely": self.likely,
-                "healthy": self.healthy, "prune": self.prune}
+                "healthy": self.healthy, "prune": self.prune, "prune_clear_ratio": self.prune_clear_ratio}
 
 
 def early_stop_available() -> bool:
@@ -161,10 +168,18 @@ def pruned_row(cfg: SweepConfig, profile: Profile) -> dict:
     return _provenance(row, profile, 0.0)
 
 
+# (profile, its file hash, its twin fingerprint) of the latest profile seen: hashing a profile's JSON for every
+# row cost ~0.3 ms, as much as building a pruned row's features (a worker receives one profile per task)
+_provenance_of: list[tuple[Profile, str, str]] = []
+
+
 def _provenance(row: dict, profile: Profile, wall_s: float) -> dict:
+    if not _provenance_of or _provenance_of[0][0] is not profile:
+        _provenance_of[:] = [(profile, profile.file_hash(), twin_fingerprint(profile))]
+    _p, file_hash, fingerprint = _provenance_of[0]
     row["twin_version"] = __version__
-    row["profile_hash"] = profile.file_hash()
-    row["twin_fingerprint"] = twin_fingerprint(profile)
+    row["profile_hash"] = file_hash
+    row["twin_fingerprint"] = fingerprint
     row["wall_s"] = wall_s
     return row
 
@@ -230,15 +245,17 @@ def arrivals_generated() -> tuple[float, int]:
     return _arrivals_generated["s"], _arrivals_generated["requests"]
 
 
-def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts, limits: Limits | None = None
-                    ) -> dict:
-    """Run the twin on one config (which must start) and return its row."""
+def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts, limits: Limits | None = None,
+                    req=None) -> dict:
+    """Run the twin on one config (which must start) and return its row. ``req``: its arrivals
+    (``config_requests``), when the caller holds them already."""
     from ..server import ServerConfig
     from ..twin.run import simulate_requests
 
     t0 = time.perf_counter()
     ranks = cfg.ranks()
-    req = config_requests(cfg, limits)
+    if req is None:
+        req = config_requests(cfg, limits)
     flags = ServerConfig(max_loras=cfg.adapter_slots, max_lora_rank=cfg.max_lora_rank,
                          max_cpu_loras=cfg.served_adapters)
     opts = _early_stop_options(shortcuts)
@@ -269,24 +286,63 @@ def simulate_config(cfg: SweepConfig, profile: Profile, shortcuts: Shortcuts, li
     return _provenance(row, profile, time.perf_counter() - t0)
 
 
+def arrivals_group(cfg: SweepConfig) -> tuple:
+    """``arrivals_key`` without N: the configs of one group share arrivals N by N (a batch, ``WorkBatch``)."""
+    key = arrivals_key(cfg)
+    return key[:1] + key[2:]
+
+
+@dataclass
+class WorkBatch:
+    """Units one worker runs as one task (``run_batch``): the series of one arrivals group (``arrivals_group``),
+    or a share of it. One task per series cost ~2.5 ms of pickling the profile and left each worker to
+    generate the arrivals the others had generated too."""
+
+    units: list[WorkUnit]
+    timed: bool = False  # per row also ``arrivals_s``, ``arrivals_requests``, ``cpu_s`` (not stored; --estimate)
+
+
+def run_batch(batch: WorkBatch, profile: Profile, shortcuts: Shortcuts) -> list[list[dict]]:
+    """Rows of every unit of ``batch`` (one list per unit, in order): each unit's rows are ``run_unit``'s.
+
+    The configs run N by N across the units (each unit's own configs stay in increasing N, so its pruning
+    sees the same points in the same order), so that the configs sharing one arrival set run back to back on
+    the set generated once."""
+    rows: list[list[dict | None]] = [[None] * len(u.configs) for u in batch.units]
+    streak = [0] * len(batch.units)  # consecutive starving points of each unit so far
+    order = sorted((c.served_adapters, i, j) for i, u in enumerate(batch.units) for j, c in enumerate(u.configs))
+    held: tuple[tuple, object] | None = None  # (arrivals key, requests) of the configs running now
+    for _n, i, j in order:
+        unit, cfg = batch.units[i], batch.units[i].configs[j]
+        s0, n0 = arrivals_generated()
+        cpu0 = time.process_time()
+        if not profile.startup(cfg.adapter_slots, cfg.max_lora_rank)[0]:
+            row = oom_row(cfg, profile)
+        elif unit.prune and streak[i] >= PRUNE_AFTER_STARVING:
+            row = pruned_row(cfg, profile)
+        else:
+            key = arrivals_key(cfg)
+            t0 = time.perf_counter()
+            if held is None or held[0] != key:
+                held = (key, config_requests(cfg, unit.limits))
+            fetch_s = time.perf_counter() - t0
+            row = simulate_config(cfg, profile, shortcuts, unit.limits, held[1])
+            row["wall_s"] += fetch_s  # the row's seconds include its arrivals, as when it generates them itself
+            streak[i] = streak[i] + 1 if row["starved"] else 0
+            if row["starved"] and row["throughput_ratio"] < shortcuts.prune_clear_ratio:  # (NaN: not clear)
+                streak[i] = PRUNE_AFTER_STARVING
+        if batch.timed:
+            s1, n1 = arrivals_generated()
+            row.update(arrivals_s=s1 - s0, arrivals_requests=n1 - n0, cpu_s=time.process_time() - cpu0)
+        rows[i][j] = row
+    return [[r for r in unit_rows if r is not None] for unit_rows in rows]
+
+
 def run_unit(unit: WorkUnit, profile: Profile, shortcuts: Shortcuts) -> list[dict]:
     """Rows of every config of ``unit``.
 
     With ``unit.prune`` the configs (one series, N increasing) are simulated in order until
-    ``PRUNE_AFTER_STARVING`` consecutive points starve; the remaining points become ``pruned`` rows.
+    ``PRUNE_AFTER_STARVING`` consecutive points starve, or one starves clearly (throughput ratio below
+    ``shortcuts.prune_clear_ratio``); the remaining points become ``pruned`` rows.
     """
-    rows: list[dict] = []
-    streak = 0
-    for cfg in unit.configs:
-        if not profile.startup(cfg.adapter_slots, cfg.max_lora_rank)[0]:
-            rows.append(oom_row(cfg, profile))
-            continue
-        if unit.prune and streak >= PRUNE_AFTER_STARVING:
-            rows.append(pruned_row(cfg, profile))
-            continue
-        row = simulate_config(cfg, profile, shortcuts, unit.limits)
-        streak = streak + 1 if row["starved"] else 0
-        rows.append(row)
-    return rows
-
-
+    return run_batch(WorkBatch([unit]), profile, shortcuts)[0]
