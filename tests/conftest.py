@@ -5,8 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from lorapack.calibrate import DATA_ENV_VAR, data_dir_available, default_data_dir
+
+# No test may depend on the machine being idle: hypothesis' per-example deadline (200 ms) and its "too slow"
+# health checks are wall-clock rules, so they are off for every test (a test's own settings still apply).
+settings.register_profile("lorapack", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("lorapack")
 
 
 @pytest.fixture(scope="session")
