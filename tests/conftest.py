@@ -12,7 +12,7 @@ from lorapack.calibrate import DATA_ENV_VAR, data_dir_available, default_data_di
 # No test may depend on the machine being idle: hypothesis' per-example deadline (200 ms) and its "too slow"
 # health checks are wall-clock rules, so they are off for every test (a test's own settings still apply).
 settings.register_profile("lorapack", deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+                          suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("lorapack")
 
 
