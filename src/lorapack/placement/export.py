@@ -33,6 +33,7 @@ from ..errors import SpecError
 from ..profile import Profile
 from ..server import parse_vllm_version
 from .plan import Plan
+from .routers import ROUTER_FILES, router_configs
 
 VLLM_VERSION = "0.8.5"
 # every flag serve.sh may contain; all accepted by `vllm serve` in VLLM_VERSION (--enable-prefix-caching and
@@ -80,7 +81,7 @@ HF_MODEL_IDS = {
     "llama-3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct",
     "qwen-2.5-7b-instruct": "Qwen/Qwen2.5-7B-Instruct",
 }
-OUTPUT_FILES = ("plan.json", "serve.sh", "routes.json")
+OUTPUT_FILES = ("plan.json", "serve.sh", "routes.json", *ROUTER_FILES)  # router configs: routers.py
 
 
 @dataclass(frozen=True)
@@ -284,23 +285,25 @@ def check_out_dir(out: Path) -> Path:
 
 def write_outputs(plan: Plan, out: Path, paths: dict[str, str] | None = None,
                   endpoints: Endpoints = Endpoints()) -> list[Path]:
-    """Write plan.json, serve.sh and routes.json into ``out``: every file is written to a temporary file first
-    and the three are renamed into place only when all were written (nothing half-written, nothing left)."""
+    """Write plan.json, serve.sh, routes.json and the router configs into ``out``: every file is written to a
+    temporary file first and all are renamed into place only when all were written (nothing half-written)."""
     from contextlib import ExitStack
 
     from ..checks import atomic_path
 
     out = check_out_dir(out)
     out.mkdir(exist_ok=True)
+    route_table = routes(plan, endpoints)
     texts = {
         "plan.json": json.dumps(plan.to_dict(), indent=1) + "\n",
         "serve.sh": serve_script(plan, paths, endpoints),
-        "routes.json": json.dumps(routes(plan, endpoints), indent=1) + "\n",
+        "routes.json": json.dumps(route_table, indent=1) + "\n",
+        **{c.file_name: c.text for c in router_configs(route_table)},
     }
     with ExitStack() as stack:
         for name, text in texts.items():
             tmp = stack.enter_context(atomic_path(out / name))
             tmp.write_text(text, encoding="utf-8")
-            if name == "serve.sh":
+            if name.endswith(".sh"):
                 tmp.chmod(0o755)
     return [out / name for name in OUTPUT_FILES]
