@@ -201,6 +201,14 @@ def _render(plan, files: list[Path]) -> None:
     if beyond:
         lines.insert(2, f"[yellow]GPU(s) {', '.join(map(str, beyond))} host more than {N_MAX} adapters, beyond the "
                         f"real runs: the twin extrapolates there (--n-max {N_MAX} forbids it)[/yellow]")
+    from rich.markup import escape
+
+    from ..placement.export import routes
+    from ..placement.routers import router_configs
+
+    # what a router config cannot carry of the plan (a split adapter's weights), said where the operator looks
+    lines += [f"[yellow]{c.file_name}: {escape(note)}[/yellow]" for c in router_configs(routes(plan))
+              for note in c.unexpressed]
     for line in lines:
         console.print(line, highlight=False)
 
