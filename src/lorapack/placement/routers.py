@@ -91,7 +91,8 @@ def litellm_config(routes: Routes) -> RouterConfig:
     ]
     if split:
         lines.append(f"# {len(split)} adapter(s) split over several GPUs, weights kept: "
-                     + "; ".join(f"{a} ({_weights_text(t)})" for a, t in split.items()))
+                     + "; ".join(f"{json.dumps(a)} ({_weights_text(t)})" for a, t in split.items()))  # ASCII-only:
+        # an id's line break (YAML also breaks lines at U+0085, U+2028, U+2029) would end the comment
     lines.append("model_list:")
     for adapter, targets in routes.items():
         for t in targets:
