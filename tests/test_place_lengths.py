@@ -105,6 +105,25 @@ def test_a_csv_assumes_the_profiles_law_and_the_output_says_so(tmp_path, monkeyp
                    "cv": profile_cv(PROFILE), "assumed": True}
 
 
+def test_simulate_assumes_the_same_law_for_a_workload_without_lengths(tmp_path, monkeypatch, capsys) -> None:
+    """``simulate`` of a CSV (no lengths) runs the profile's law, as ``place`` plans it: the same numbers as a
+    YAML that gives that law, and a note that says so."""
+    csv = tmp_path / "adapters.csv"
+    csv.write_text("adapter_id,rank,rate_rps\na,8,0.5\nb,16,0.7\n")
+    given = tmp_path / "given.yaml"
+    given.write_text(yaml.safe_dump({"adapters_csv": str(csv), "lengths": {
+        "kind": "lognormal", "mean_input_tokens": 300, "mean_output_tokens": 150, "cv": profile_cv(PROFILE)}}))
+    runs = []
+    for wl, extra in ((csv, ["--mean-input-tokens", "300", "--mean-output-tokens", "150"]), (given, [])):
+        code, out, err = run_main(monkeypatch, capsys, "simulate", wl, "--model", LLAMA, "--max-loras", "2",
+                                  "--duration-s", "300", "--json", *extra)
+        assert code == 0, err
+        runs.append(json.loads(out))
+    assert runs[0]["ttft_mean_ms"] == runs[1]["ttft_mean_ms"] and runs[0]["throughput_tok_s"] == runs[1]["throughput_tok_s"]
+    code, out, err = run_main(monkeypatch, capsys, "simulate", csv, "--model", LLAMA, "-a", "2", "--duration-s", "60")
+    assert code == 0 and "gives no request lengths: simulated with the profile's log-normal law" in " ".join(err.split())
+
+
 @pytest.mark.parametrize("means, hint", [((400, 250), "cv 0.76 or less would"),
                                          ((1500, 300), "no log-normal law does")])
 def test_unreachable_assumed_means_name_the_file_and_the_cv_that_reaches(tmp_path, monkeypatch, capsys, means,

@@ -23,6 +23,7 @@ from .common import (
     apply_vllm_version,
     check_output_file,
     console,
+    err_console,
     fmt,
     limits,
     load_profile,
@@ -167,6 +168,14 @@ def simulate(
                         f"(held-back arrivals make the extrapolation unknowable); drop one of them")
     prof = apply_vllm_version(load_profile(model, gpu, profile), vllm_version)
     wl = load_workload(workload)
+    # a workload that gives no lengths (an adapters CSV, a YAML without ``lengths:``) is simulated with the
+    # profile's fitted law, as ``place`` plans it: a plan's GPU simulated here then gives its verified numbers
+    assumed = "lengths" not in wl.model_fields_set and not getattr(wl.arrivals, "trace_lengths", False)
+    if assumed:
+        from ..oracle import profile_length_law
+
+        wl = wl.model_copy(update={"lengths": profile_length_law(prof, wl.lengths.mean_input_tokens,
+                                                                 wl.lengths.mean_output_tokens)})
     if mean_input_tokens is not None or mean_output_tokens is not None:
         # validated like the spec itself (finite, >= 1, reachable lognormal target, not 'empirical')
         if getattr(wl.arrivals, "trace_lengths", False):
@@ -200,6 +209,11 @@ def simulate(
     if json_out:
         print_json(docs[0] if len(docs) == 1 else docs)
         return
+    if assumed:
+        ln = wl.lengths
+        err_console.print(f"note: {workload} gives no request lengths: simulated with the profile's log-normal law "
+                          f"(cv {ln.cv:.6g}) around {ln.mean_input_tokens:g} / {ln.mean_output_tokens:g} tokens, as "
+                          "place assumes", highlight=False, soft_wrap=True)
     head = f"{prof.model} on {prof.gpu}: {wl.n_adapters} adapters, {out.duration_s:g} s, seed {seed}"
     if len(runs) == 1:
         render_run(out, ids, head)
