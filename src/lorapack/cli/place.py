@@ -40,7 +40,8 @@ def _options(
     model: ModelOpt = None,
     gpu: GpuOpt = None,
     profile: ProfileOpt = None,
-    out: Annotated[Path, typer.Option("--out", help="Output directory for plan.json, serve.sh, routes.json.")
+    out: Annotated[Path, typer.Option("--out", help="Output directory for plan.json, serve.sh, routes.json and "
+                                                    "the router configs litellm.yaml, vllm-router.sh.")
                    ] = Path("plan"),
     base_port: Annotated[int, typer.Option(help="Port of device 0 on each node (device d: base + d).")] = 8000,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node in serve.sh and routes.json.")] = 8,
