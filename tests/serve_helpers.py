@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +12,13 @@ from lorapack.serve.launch import twin_process
 
 LLAMA = "llama-3.1-8b-instruct"
 START_TIMEOUT_S = 120.0  # generous: the machine may be busy (the engine's compiled code is cached)
+
+
+def sigint_default() -> None:
+    """``preexec_fn``: SIGINT back to its default in a child the test will interrupt. A non-interactive shell
+    starts background jobs with SIGINT ignored (as CI may start pytest), children inherit it, and Python and
+    bash keep ignoring a signal ignored at their start: the test's SIGINT would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def free_port() -> int:

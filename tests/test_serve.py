@@ -231,7 +231,7 @@ def test_serve_plan_follows_routes_json(tmp_path) -> None:
     import socket
     import time
 
-    from serve_helpers import free_port
+    from serve_helpers import free_port, sigint_default
 
     examples = Path(__file__).resolve().parents[1] / "src" / "lorapack" / "examples"
     plan_dir = tmp_path / "plan"
@@ -254,7 +254,8 @@ def test_serve_plan_follows_routes_json(tmp_path) -> None:
     err_path = tmp_path / "serve.err"
     err = err_path.open("w")
     proc = subprocess.Popen([sys.executable, "-m", "lorapack.cli", "serve", "--plan", str(plan_dir), "--base-port",
-                             str(base)], stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
+                             str(base)], stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True,
+                            preexec_fn=sigint_default)
     try:
         for adapter, targets in routes.items():
             for target in targets:

@@ -30,6 +30,7 @@ from lorapack.placement.export import (
 )
 from lorapack.placement.plan import GpuPlan, Plan
 from lorapack.server import ServerConfig
+from serve_helpers import sigint_default
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="serve.sh needs bash")
 
@@ -162,10 +163,12 @@ class Run:
         script.chmod(0o755)
         self.env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
                     "FAKE_OUT": str(tmp_path / "out"), "BIND_HOST": "127.0.0.1", "LORA_DIR": LORA_DIR, **env}
+        # SIGINT at its default: serve.sh traps it, and bash cannot trap a signal ignored at its start
         self.proc = subprocess.Popen([str(script)], env=self.env, cwd=tmp_path, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                     preexec_fn=sigint_default)
 
-    def record(self, gpu: int, timeout: float = 20.0) -> dict:
+    def record(self, gpu: int, timeout: float = 120.0) -> dict:  # generous: a loaded machine starts slowly
         p = self.dir / "out" / f"gpu{gpu}.json"
         end = time.monotonic() + timeout
         while time.monotonic() < end:
