@@ -8,8 +8,9 @@ share the machine's load). Per tree it counts what is load-insensitive and times
 
 * configs simulated / pruned / OOM, the ``obtained`` and ``stop_reason`` counts;
 * simulated seconds (total, per simulated config), engine steps (total, per simulated second);
-* CPU seconds of the simulated configs (``time.process_time`` around each ``simulate_config``; arrivals
-  generation included), CPU per simulated hour and per engine step; the same in wall seconds;
+* CPU seconds of the simulated configs (``time.process_time`` around each ``simulate_config``, without the
+  arrivals generation, which is counted apart wherever a tree calls it), CPU per simulated hour and per
+  engine step; the same in wall seconds;
 * the whole sweep's wall and CPU (selection, rows, Parquet and the per-config work).
 
 The machine's load average is recorded before and after. Usage::
@@ -74,13 +75,26 @@ def _child(src: str, preset: str, keys_file: str, out_file: str) -> None:
     orig_sim = work.simulate_config
 
     def simulate_config(cfg, *args, **kwargs):
-        c0, w0 = time.process_time(), time.perf_counter()
+        c0, w0, a0 = time.process_time(), time.perf_counter(), arrivals["cpu_s"]
         row = orig_sim(cfg, *args, **kwargs)
-        per_cfg[cfg.config_id] = {"cpu_s": time.process_time() - c0, "wall_s": time.perf_counter() - w0,
-                                  "steps": last_steps["n"]}
+        gen_s = arrivals["cpu_s"] - a0  # arrivals generated inside (older trees): counted apart
+        per_cfg[cfg.config_id] = {"cpu_s": time.process_time() - c0 - gen_s,
+                                  "wall_s": time.perf_counter() - w0 - gen_s, "steps": last_steps["n"]}
         return row
 
     work.simulate_config = simulate_config
+    # arrivals generation, wherever a tree calls it (inside simulate_config, or before it in a batch)
+    arrivals = {"cpu_s": 0.0}
+    orig_requests = work.config_requests
+
+    def config_requests(cfg, *args, **kwargs):
+        c0 = time.process_time()
+        try:
+            return orig_requests(cfg, *args, **kwargs)
+        finally:
+            arrivals["cpu_s"] += time.process_time() - c0
+
+    work.config_requests = config_requests
     keys = {(k[0], tuple(k[1]), tuple(k[2]), k[3]) for k in json.loads(Path(keys_file).read_text())}
     grid = preset_grid(preset)
     configs = [c for c in enumerate_configs(grid)
@@ -113,7 +127,7 @@ def _child(src: str, preset: str, keys_file: str, out_file: str) -> None:
         "by_obtained": by_reason,
         "simulated_s": sim_s, "simulated_s_per_simulated_config": sim_s / max(len(sim), 1),
         "steps": steps, "steps_per_simulated_s": steps / sim_s if sim_s else None,
-        "cpu_simulated_s": cpu_sim, "wall_simulated_s": wall_sim,
+        "cpu_simulated_s": cpu_sim, "wall_simulated_s": wall_sim, "cpu_arrivals_s": arrivals["cpu_s"],
         "cpu_s_per_simulated_hour": cpu_sim / (sim_s / SIM_HOUR_S) if sim_s else None,
         "wall_s_per_simulated_hour": wall_sim / (sim_s / SIM_HOUR_S) if sim_s else None,
         "cpu_us_per_step": 1e6 * cpu_sim / steps if steps else None,
@@ -162,7 +176,7 @@ def main() -> None:
           f"{load_after[0]:.2f} after; {'sequential' if args.sequential else 'all trees at once'}, 1 worker each")
     cols = ("configs", "simulated", "pruned", "oom", "simulated_s_per_simulated_config", "steps_per_simulated_s",
             "cpu_us_per_step", "cpu_s_per_simulated_hour", "wall_s_per_simulated_hour", "cpu_simulated_s",
-            "cpu_total_s", "wall_total_s")
+            "cpu_arrivals_s", "cpu_total_s", "wall_total_s")
     print(f"{'':36s}" + "".join(f"{n:>14s}" for n in results))
     for c in cols:
         print(f"{c:36s}" + "".join(f"{r[c]:14.4g}" if isinstance(r[c], float) else f"{r[c]:14}"
