@@ -48,6 +48,8 @@ LITELLM_PROXY_DEPS = (
     "litellm-enterprise", "litellm-proxy-extras", "mcp>=2.3.0,<3", "httpx2>=2.10.0,<3", "soundfile", "polars",
     "azure-identity", "azure-storage-blob", "gunicorn", "uvloop", "hiredis", "inquirerpy", "rich",
 )
+# every package of that environment at the version it was proven with (mostly unpinned above: no drift)
+LITELLM_CONSTRAINTS = Path(__file__).resolve().parent / "data" / "routers" / f"litellm-{LITELLM_VERSION}-constraints.txt"
 # requests per adapter; the split one gets enough for its shares to be told from an even split
 REQUESTS_PER_ADAPTER = 4
 REQUESTS_SPLIT = 200
@@ -63,8 +65,9 @@ def _litellm() -> Path:
         return exe
     try:
         subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, capture_output=True, timeout=300)
-        subprocess.run([str(env / "bin" / "pip"), "install", "-q", f"litellm=={LITELLM_VERSION}",
-                        *LITELLM_PROXY_DEPS], check=True, capture_output=True, timeout=1800)
+        subprocess.run([str(env / "bin" / "pip"), "install", "-q", "-c", str(LITELLM_CONSTRAINTS),
+                        f"litellm=={LITELLM_VERSION}", *LITELLM_PROXY_DEPS], check=True, capture_output=True,
+                       timeout=1800)
     except (subprocess.SubprocessError, OSError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         if os.environ.get("CI") == "true":
