@@ -17,7 +17,8 @@ Three samplings, all of whole N-series (so that N-series pruning acts as in a fu
 would (local process pool, all cores, default shortcuts unless switched off) into a temporary directory;
 ``blocks`` and ``series`` project ``wall x grid_size / sample_size``. OOM configs are part of the sample.
 
-Target (issue 4): the full ``paper-llama`` preset in <= 30 min on this machine's 2 cores.
+Target (issue 28): each full paper preset in <= 15 min on this machine's 2 cores, idle (issue 4: 30 min). The
+estimate sampling judges its idle-cores projection; run it on an idle machine (load average < 0.5).
 
 Usage: ``python bench/sweep_speed.py [--preset paper-llama] [--sampling estimate|blocks|series] [--configs 1500]
 [--blocks 6] [--rate-tuples 3] [--workers 0] [--boundary-seeds 0] [--no-prune]
@@ -39,7 +40,7 @@ from pathlib import Path
 
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
-TARGET_S = 30 * 60
+TARGET_S = 15 * 60
 
 
 def block_sample(grid, blocks: int, seed: int):
@@ -166,10 +167,11 @@ def estimate(args: argparse.Namespace, grid, shortcuts) -> None:
     print(f"{args.preset}: {est['sample_configs']:,} configs in {est['sample_series']:,} whole series in "
           f"{est['sample_wall_s']:.1f} s ({est['sample_simulated']:,} simulated, {est['sample_pruned']:,} pruned, "
           f"{est['sample_oom']:,} oom); the estimate took {est['estimate_wall_s']:.1f} s")
+    idle_s = est["projected_idle_wall_s"]
     print(f"projection for the full {args.preset} ({est['total_configs']:,} configs): {projection_s / 60:.1f} min "
-          f"± {est['projected_wall_s_se'] / 60:.1f} at this load (target <= {TARGET_S / 60:.0f} min: "
-          f"{'met' if projection_s <= TARGET_S else 'NOT met'}), {est['projected_idle_wall_s'] / 60:.1f} min on "
-          f"idle cores; load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
+          f"± {est['projected_wall_s_se'] / 60:.1f} at this load, {idle_s / 60:.1f} min on idle cores (target <= "
+          f"{TARGET_S / 60:.0f} min on idle cores: {'met' if idle_s <= TARGET_S else 'NOT met'}); load average "
+          f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
     _write(args, {
         "bench": "sweep_speed", "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "twin_version": __version__,
@@ -184,7 +186,7 @@ def estimate(args: argparse.Namespace, grid, shortcuts) -> None:
         "simulated": est["sample_simulated"], "pruned": est["sample_pruned"], "skipped_oom": est["sample_oom"],
         "projection_full_s": projection_s, "projection_full_min": projection_s / 60,
         "projection_idle_min": est["projected_idle_wall_s"] / 60,
-        "target_s": TARGET_S, "meets_target": projection_s <= TARGET_S, "estimate": est,
+        "target_s": TARGET_S, "meets_target": idle_s <= TARGET_S, "target_on": "projection_idle_min", "estimate": est,
     })
 
 

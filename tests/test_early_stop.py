@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from lorapack.twin.early import (
     EarlyStopOptions,
     WindowSeries,
     adapter_labels_settled,
+    arrived_by,
     healthy_converged,
     run_with_early_stop,
     starvation_certain,
@@ -21,6 +24,7 @@ from lorapack.twin.early import (
     starved_trend,
 )
 from lorapack.twin.engine import WAITING, Engine, simulate_fast
+from lorapack.twin.metrics import compute_metrics
 from lorapack.twin.run import engine_config, resolve_server
 from lorapack.twin.types import EngineResult, RequestArrays
 from lorapack.workload import generate_requests
@@ -107,6 +111,35 @@ def test_oldest_wait_is_the_age_of_the_oldest_waiting_request() -> None:
             checked_victims += 1
             assert snap["oldest_wait_s"] >= eng.t_s - t_sent[waiting & ~victims].min()
     assert eng.snapshot()["n_preemptions"] > 0 and checked_victims > 0
+
+
+def test_snapshot_without_the_oldest_wait_is_the_same_snapshot() -> None:
+    """The early-stop loop skips the per-request scan for the oldest waiter's age until the healthy test needs it."""
+    cfg, req = _starved_with_preemption()
+    eng = Engine(cfg, req)
+    for t in (30.0, 200.0, 450.0):
+        eng.advance_to(t)
+        full, cheap = eng.snapshot(), eng.snapshot(oldest_wait=False)
+        assert np.isnan(cheap.pop("oldest_wait_s")) and eng.oldest_wait_s() == full.pop("oldest_wait_s")
+        assert cheap == full
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stop_metrics_read_only_the_requests_arrived_by_the_stop(seed: int) -> None:
+    """``arrived_by``: the metrics of a run stopped at t, over the requests arrived by t, equal those over all
+    requests field by field (``n_generated`` counts all)."""
+    case = build_case(random_params(np.random.default_rng(seed)))
+    cfg, req = case.cfg, case.req
+    eng = Engine(cfg, req).advance_to(cfg.duration_s * 0.4)
+    t_stop = min(eng.t_s, cfg.duration_s)
+    res = eng.result()
+    whole = compute_metrics(res, req, t_stop, cfg.n_adapters, cfg=cfg)
+    head_res, head_req = arrived_by(res, req, t_stop)
+    assert len(head_req) <= len(req)
+    part = compute_metrics(head_res, head_req, t_stop, cfg.n_adapters, cfg=cfg).replace(n_generated=len(req))
+    for f in dataclasses.fields(whole):
+        a, b = getattr(whole, f.name), getattr(part, f.name)
+        assert a == b or (isinstance(a, float) and np.isnan(a) and np.isnan(b)), f.name
 
 
 # ---- each rule on its own ----
