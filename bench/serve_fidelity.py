@@ -121,7 +121,7 @@ def run_design(name: str, n_adapters: int, rate: float, max_loras: int, max_cpu_
                seed: int, http_path_ms: float | None = None) -> dict:
     from lorapack.profile import find_profile
     from lorapack.server import ServerConfig
-    from lorapack.testbed.replay import replay, twin_replay
+    from lorapack.testbed.replay import ReplayOptions, replay, twin_replay
 
     profile = find_profile(MODEL, "h100-64gb")
     adapters = [f"a{k:02d}" for k in range(n_adapters)]
@@ -131,7 +131,7 @@ def run_design(name: str, n_adapters: int, rate: float, max_loras: int, max_cpu_
     import httpx
 
     with server(adapters, ranks, max_loras, max_cpu_loras, http_path_ms) as url:
-        got = replay(url, arrivals, model=MODEL, seed=seed, window_s=duration_s, scrape_every_s=1.0)
+        got = replay(url, arrivals, ReplayOptions(model=MODEL, seed=seed, window_s=duration_s, scrape_every_s=1.0))
         served_path_ms = httpx.get(url + "/version", timeout=30).json()["http_path_ms"]
     recs = got.records
     sent = np.array([r.t_sent_s for r in recs])

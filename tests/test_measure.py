@@ -347,7 +347,7 @@ def test_run_row_counts_like_the_twin() -> None:
     """A windowed run's row: completed = finished in the window; the offered tokens behind the ratio count only
     requests an idle server could have finished by the window's end (``twin.metrics.finishable_mask``)."""
     from lorapack.measure.probe import Identity
-    from lorapack.measure.runs import RunAdapter, run_row
+    from lorapack.measure.runs import RunAdapter, RunSpec, run_row
     from lorapack.testbed.replay import Arrival, ReplayResult, RequestRecord
 
     ident = Identity(url="u", vllm_version="0.32.0", model="m", max_model_len=4096, served_adapters=["a", "b"],
@@ -364,7 +364,8 @@ def test_run_row_counts_like_the_twin() -> None:
     recs = [rec(0, "a", 1.0, 2.0), rec(1, "b", 2.0, 3.0, 105.0), rec(2, "a", 8.0, 11.0), rec(3, "b", 9.9, 12.0)]
     arrivals = [Arrival(r.t_planned_s, r.adapter_id, 100, 50) for r in recs]
     res = ReplayResult(recs, [], 12.0)
-    row = run_row("measure__m__x___1_2_16_", "m", ident, ads, 10.0, arrivals, res, 0, idle_service_s=lambda p, o: 1.0)
+    run = RunSpec("measure__m__x___1_2_16_", tuple(ads), 10.0, 0)
+    row = run_row(run, "m", ident, arrivals, res, idle_service_s=lambda p, o: 1.0)
     assert row["n_completed"] == 2 and row["n_sent"] == 4
     assert row["throughput_tok_s"] == pytest.approx(2 * 150 / 10.0)
     # offered: requests 0, 1 and 2 could finish (sent + 1 s <= 10 s); request 3 (sent at 9.9 s) could not

@@ -30,14 +30,9 @@ NOT_YET_CONVERTED = {
     "lorapack.calibrate.command.refine_profile": 13,
     "lorapack.calibrate.refine.refine": 17,
     "lorapack.measure.run.measure": 19,
-    "lorapack.measure.runs.run_once": 9,
-    "lorapack.measure.runs.run_row": 9,
-    "lorapack.measure.traffic.closed_loop_async": 12,
     "lorapack.surrogate.train.search": 9,
     "lorapack.sweep.estimate.estimate_sweep": 9,
     "lorapack.sweep.runner.run_sweep": 16,
-    "lorapack.testbed.replay.replay_async": 10,
-    "lorapack.testbed.replay.send_request": 9,
     "lorapack.validate.run_validation": 13,
 }
 

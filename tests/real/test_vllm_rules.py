@@ -13,7 +13,7 @@ import pytest
 from lorapack.profile import find_profile
 from lorapack.server import ServerConfig
 from lorapack.testbed.env import VLLM_VERSION
-from lorapack.testbed.replay import Arrival, replay, twin_replay
+from lorapack.testbed.replay import Arrival, ReplayOptions, replay, twin_replay
 from lorapack.testbed.staircase import (
     ADAPTERS,
     DESIGNS,
@@ -62,7 +62,7 @@ def test_max_num_seqs_caps_the_running_batch(servers, llama):
     flags = dict(STAIR_FLAGS, max_num_seqs=4)
     server = servers.get(ADAPTERS, vllm_args(flags))
     arrivals = [Arrival(0.025 * i, ADAPTERS[i % 2], 16, 96) for i in range(16)]
-    result = replay(server.url, arrivals, scrape_every_s=0.2)
+    result = replay(server.url, arrivals, ReplayOptions(scrape_every_s=0.2))
     assert all(r.status == 200 and r.completion_tokens == 96 for r in result.records)
     assert all(1 <= r.n_chunks <= 96 and len(r.gaps_s) == r.n_chunks - 1 for r in result.records)
     running = [s.running for s in result.samples if np.isfinite(s.running)]
@@ -97,7 +97,7 @@ def test_chunked_prefill_of_a_prompt_longer_than_the_budget(servers, llama):
     flags = dict(STAIR_FLAGS, max_num_batched_tokens=64, max_num_seqs=8)
     server = servers.get(ADAPTERS, vllm_args(flags), fresh=True)
     before = _iteration_tokens(server)
-    result = replay(server.url, [Arrival(0.0, "r8-0", 400, 5)], stream=False)
+    result = replay(server.url, [Arrival(0.0, "r8-0", 400, 5)], ReplayOptions(stream=False))
     rec = result.records[0]
     assert rec.status == 200 and rec.completion_tokens == 5
     after = _iteration_tokens(server)
@@ -119,7 +119,7 @@ def test_token_budget_goes_to_running_requests_first(servers, llama):
     flags = dict(STAIR_FLAGS, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=4096)
     server = servers.get(ADAPTERS, vllm_args(flags))
     arrivals = [Arrival(0.0, "r8-0", 3000, 4)] + [Arrival(0.2 + 0.05 * i, "r8-0", 8, 4) for i in range(5)]
-    result = replay(server.url, arrivals, stream=False)
+    result = replay(server.url, arrivals, ReplayOptions(stream=False))
     assert all(r.status == 200 for r in result.records)
     real_first = np.array([r.t_first_server_s for r in result.records])
     sent = np.array([r.t_sent_s for r in result.records])

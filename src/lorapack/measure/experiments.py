@@ -28,7 +28,7 @@ import numpy as np
 
 from .probe import Http, Identity, MeasureError, scrape
 from .runs import ttft_ms
-from .traffic import closed_loop, tpot_ms
+from .traffic import ClosedLoad, closed_loop, tpot_ms
 
 
 @dataclass
@@ -92,8 +92,9 @@ def _loop(ctx: Context, adapters: Sequence[str | None], concurrency: int, per_wo
         per_worker = TIMED_MAX_PER_WORKER
     first = ctx.indices(concurrency * per_worker)
     before = scrape(ctx.http)
-    res = closed_loop(ctx.url, ctx.identity.model, adapters, concurrency, per_worker, prompt, output, ctx.seed,
-                      api_key=ctx.http.api_key, first_index=first, duration_s=duration_s)
+    load = ClosedLoad(tuple(adapters), concurrency, per_worker, prompt, output, first_index=first,
+                      duration_s=duration_s)
+    res = closed_loop(ctx.url, ctx.identity.model, load, ctx.seed, api_key=ctx.http.api_key)
     after = scrape(ctx.http)
     _check(res.records, what)
     return res, after.steps - before.steps, after.step_tokens - before.step_tokens

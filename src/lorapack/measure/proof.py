@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .runs import RunAdapter, per_adapter_ttft, run_once, run_row
+from .runs import RunAdapter, RunSpec, per_adapter_ttft, run_once, run_row
 
 MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS = 4, 32, 12
 SERVER_FLAGS = ("--max-loras", str(MAX_LORAS), "--max-lora-rank", str(MAX_LORA_RANK), "--max-cpu-loras",
@@ -52,16 +51,8 @@ HELD_BACK = ((2, 0.3), (2, 0.9), (2, 1.6), (3, 0.5), (3, 1.2), (4, 0.2), (4, 0.7
              (12, 1.5), (16, 0.4), (16, 1.0))
 
 
-@dataclass
-class HeldBackRun:
-    run_id: str
-    adapters: list[RunAdapter]
-    window_s: float
-    seed: int
-
-
 def held_back_runs(capacity_rps, designs: Sequence[tuple[int, float]] = HELD_BACK, window_s: float = 30.0,
-                   max_rate_rps: float = 50.0) -> list[HeldBackRun]:
+                   max_rate_rps: float = 50.0) -> list[RunSpec]:
     """The runs: ``capacity_rps(n_adapters)`` scales the load; adapter k of a run gets a rate ∝ 1/(k+1)."""
     names = adapter_names()
     out = []
@@ -79,21 +70,20 @@ def held_back_runs(capacity_rps, designs: Sequence[tuple[int, float]] = HELD_BAC
         weights = np.array([1.0 / (i + 1) for i in range(n)])
         rates = total * weights / weights.sum()
         ads = [RunAdapter(names[i][0], names[i][1], float(rates[j])) for j, i in enumerate(idx)]
-        out.append(HeldBackRun(f"heldback__tiny__load_{load:g}___{MAX_LORAS}_{n}_{MAX_LORA_RANK}_{k}", ads,
+        out.append(RunSpec(f"heldback__tiny__load_{load:g}___{MAX_LORAS}_{n}_{MAX_LORA_RANK}_{k}", ads,
                                window_s, HELD_BACK_SEED + k))
     return out
 
 
-def replay_run(url: str, model: str, run: HeldBackRun, identity, idle_service_s, repeat: int = 0) -> dict:
+def replay_run(url: str, model: str, run: RunSpec, identity, idle_service_s, repeat: int = 0) -> dict:
     """Replay one held-back run on the server: its runs-schema row plus the per-adapter TTFTs and arrivals."""
-    arrivals, res = run_once(url, model, run.adapters, run.window_s, 128.0, 128.0, run.seed)
-    row = run_row(run.run_id, "tiny", identity, run.adapters, run.window_s, arrivals, res, run.seed,
-                  idle_service_s=idle_service_s)
+    arrivals, res = run_once(url, model, run)
+    row = run_row(run, "tiny", identity, arrivals, res, idle_service_s=idle_service_s)
     return {"row": row, "adapter_ttft_ms": per_adapter_ttft(res, run.window_s), "arrivals": arrivals,
             "repeat": repeat}
 
 
-def predict_run(profile, run: HeldBackRun, arrivals, identity) -> dict:
+def predict_run(profile, run: RunSpec, arrivals, identity) -> dict:
     """The twin on the run's own arrivals (planned times): its metrics and per-adapter mean TTFTs."""
     from ..server import ServerConfig
     from ..testbed.replay import twin_replay

@@ -36,7 +36,7 @@ from .probe import (
     served,
     version,
 )
-from .runs import RunAdapter, run_once, run_row
+from .runs import RunAdapter, RunSpec, run_once, run_row
 
 # shares of the budget per experiment (the runs get the most: they are what calibrate refines against)
 SHARES = {"decode": 0.17, "prefill": 0.05, "lora": 0.17, "loading": 0.06, "runs": 0.50}
@@ -401,9 +401,10 @@ def _runs(ctx: ex.Context, store: Store, seconds: float, n_runs: int | None, mea
         run_id = f"measure__{label}__load_{load:g}___{ident.max_loras}_{n}_{ident.max_lora_rank}_{k}"
         say(f"runs: {k + 1}/{len(designs)}: {n} adapters, {total:.2f} req/s ({load:g} x the estimated "
             f"capacity), {window:.0f} s")
-        arrivals, res = run_once(ctx.url, ident.model, run_adapters, window, mean_in, mean_out, ctx.seed + k,
-                                 api_key=ctx.http.api_key, stream=not ident.per_request_metrics)
-        row = run_row(run_id, label, ident, run_adapters, window, arrivals, res, ctx.seed + k,
+        run = RunSpec(run_id, tuple(run_adapters), window, ctx.seed + k, mean_in, mean_out)
+        arrivals, res = run_once(ctx.url, ident.model, run, api_key=ctx.http.api_key,
+                                 stream=not ident.per_request_metrics)
+        row = run_row(run, label, ident, arrivals, res,
                       idle_service_s=idle_service(store, ident.max_num_batched_tokens))
         if row["n_failed"]:
             raise MeasureError(f"runs: {row['n_failed']} requests of run {run_id} failed")

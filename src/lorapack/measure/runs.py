@@ -11,13 +11,15 @@ ITL = all inter-token intervals of completed requests.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..testbed.replay import Arrival, ReplayResult, replay
+from ..errors import SpecError
+from ..testbed.replay import Arrival, ReplayOptions, ReplayResult, replay
 
 STARVED_RATIO = 0.9  # shared/data/README.md §4: starved = throughput below 90 % of the offered tokens
 
@@ -27,6 +29,28 @@ class RunAdapter:
     adapter_id: str
     rank: int
     rate_rps: float
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One end-to-end run: its id (the runs schema's ``run_id``), adapters (ranks, Poisson rates), window, seed (of
+    the arrivals, lengths and prompts) and the mean request lengths the log-normal law is drawn around."""
+
+    run_id: str
+    adapters: tuple[RunAdapter, ...]
+    window_s: float
+    seed: int
+    mean_input_tokens: float = 128.0
+    mean_output_tokens: float = 128.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adapters", tuple(self.adapters))
+        if not self.adapters:
+            raise SpecError(f"run {self.run_id}: no adapters")
+        for name in ("window_s", "mean_input_tokens", "mean_output_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > 0):
+                raise SpecError(f"run {self.run_id}: {name} {v!r}: expected a positive number")
 
 
 def arrivals_for(adapters: Sequence[RunAdapter], window_s: float, mean_input: float, mean_output: float,
@@ -61,25 +85,27 @@ def itl_ms(r) -> float:
     return 1000.0 * float(np.mean(gaps)) if gaps else float("nan")
 
 
-def run_once(url: str, model: str, adapters: Sequence[RunAdapter], window_s: float, mean_input: float,
-             mean_output: float, seed: int, api_key: str | None = None, stream: bool = False
+def run_once(url: str, model: str, run: RunSpec, api_key: str | None = None, stream: bool = False
              ) -> tuple[list[Arrival], ReplayResult]:
-    arrivals = arrivals_for(adapters, window_s, mean_input, mean_output, seed)
+    """Send ``run``'s arrivals (``arrivals_for``) to the server at ``url`` (``model``: its base model; ``api_key``:
+    a bearer token); the requests still open at the window's end are cancelled."""
+    arrivals = arrivals_for(run.adapters, run.window_s, run.mean_input_tokens, run.mean_output_tokens, run.seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    res = replay(url, arrivals, model=model, seed=seed, stream=stream, window_s=window_s, headers=headers,
-                 timeout_s=window_s + 600.0)
+    res = replay(url, arrivals, ReplayOptions(model=model, seed=run.seed, stream=stream, window_s=run.window_s,
+                                              headers=headers, timeout_s=run.window_s + 600.0))
     return arrivals, res
 
 
-def run_row(run_id: str, model_label: str, identity, adapters: Sequence[RunAdapter], window_s: float,
-            arrivals: Sequence[Arrival], res: ReplayResult, seed: int,
+def run_row(run: RunSpec, model_label: str, identity, arrivals: Sequence[Arrival], res: ReplayResult,
             idle_service_s: Callable[[int, int], float] | None = None) -> dict:
-    """One row of the runs schema from a replayed run (``identity``: the server's ``probe.Identity``).
+    """One row of the runs schema from ``run`` replayed (``run_once``: ``arrivals``, ``res``; ``identity``: the
+    server's ``probe.Identity``).
 
     ``idle_service_s(prompt, output)``: a request's time on an idle server. The offered tokens behind
     ``throughput_ratio`` and ``starved`` then count only the requests that could have finished by the window's
     end, as the twin counts them (``twin.metrics.finishable_mask``): without it a short window on an idle
     server would look starved by the requests still in flight at its end."""
+    run_id, adapters, window_s, seed = run.run_id, run.adapters, run.window_s, run.seed
     w = float(window_s)
     recs = res.records
     sent = [r for r in recs if np.isfinite(r.t_sent_s) and r.t_sent_s < w]

@@ -1,6 +1,6 @@
 """Send an arrival sequence to a vLLM server and record every request; the same arrivals through the twin.
 
-``replay(url, arrivals)`` sends each arrival at its time (streaming ``/v1/completions`` with the prompt given as
+``replay(url, arrivals, options)`` sends each arrival at its time (streaming ``/v1/completions`` with the prompt given as
 token ids, so its length is exact, and ``ignore_eos`` so the output length is), and records per request: send
 time, TTFT, every inter-chunk gap, finish, HTTP status and error message, and (``--enable-per-request-metrics``)
 the engine's own queue and first-token intervals; ``/metrics`` is scraped every second
@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import SpecError
+
 PROMPT_TOKEN_LO = 3  # token ids below are the tiny tokenizer's specials (<s>, </s>, <unk>)
 PROMPT_TOKEN_HI = 2000
 
@@ -34,6 +36,33 @@ class Arrival:
     adapter_id: str | None
     prompt_tokens: int
     output_tokens: int
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How the client sends requests (``replay``, ``send_request``): the served model to ask for (an arrival's
+    adapter replaces it; "" = the server's base model, asked from ``/v1/models``), the seed of the prompts,
+    streaming or one answer per request, extra JSON fields of every request body, HTTP headers (e.g.
+    ``Authorization``), the client's time-out, how often ``/metrics`` is scraped, and ``window_s``: at this time
+    after the start, requests still open are cancelled and the replay returns what it has."""
+
+    model: str = ""
+    seed: int = 0
+    stream: bool = True
+    extra_body: dict | None = None
+    headers: dict[str, str] | None = None
+    timeout_s: float = 600.0
+    scrape_every_s: float = 1.0
+    window_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "scrape_every_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise SpecError(f"{name} {v!r}: expected a positive number of seconds")
+        if self.window_s is not None and (isinstance(self.window_s, bool)
+                                          or not isinstance(self.window_s, int | float) or not self.window_s > 0):
+            raise SpecError(f"window_s {self.window_s!r}: expected a positive number of seconds or None")
 
 
 @dataclass
@@ -142,12 +171,16 @@ def _error_message(raw: str) -> str:
         return raw
 
 
-async def send_request(session, url: str, model: str, arrival: Arrival, rec: RequestRecord, t0: float, seed: int,
-                extra: dict | None, stream: bool) -> None:
+async def send_request(session, url: str, arrival: Arrival, rec: RequestRecord, t0: float,
+                       options: ReplayOptions) -> None:
+    """Send ``arrival`` at its time (``t0`` + ``arrival.t_s``, monotonic clock) on the aiohttp ``session`` and fill
+    ``rec``; ``options``: the model, prompt seed, streaming and extra body fields (``ReplayOptions``)."""
     await asyncio.sleep(max(0.0, t0 + arrival.t_s - time.monotonic()))
-    body = {"model": arrival.adapter_id or model, "prompt": prompt_ids(rec.index, arrival.prompt_tokens, seed),
+    stream = options.stream
+    body = {"model": arrival.adapter_id or options.model,
+            "prompt": prompt_ids(rec.index, arrival.prompt_tokens, options.seed),
             "max_tokens": arrival.output_tokens, "ignore_eos": True, "stream": stream, "temperature": 0.0,
-            **({"stream_options": {"include_usage": True}} if stream else {}), **(extra or {})}
+            **({"stream_options": {"include_usage": True}} if stream else {}), **(options.extra_body or {})}
     rec.t_sent_s = time.monotonic() - t0
     last = None
     try:
@@ -198,41 +231,44 @@ def _scrape(url: str, t0: float, samples: list[MetricsSample], stop: threading.E
         stop.wait(every_s)
 
 
-async def replay_async(url: str, arrivals: Sequence[Arrival], model: str = "", seed: int = 0,
-                       scrape_every_s: float = 1.0, timeout_s: float = 600.0,
-                       extra_body: dict | None = None, stream: bool = True, window_s: float | None = None,
-                       headers: dict[str, str] | None = None) -> ReplayResult:
-    """Send ``arrivals`` (see the module's docstring). ``stream=False``: one answer per request, no per-token
-    record (``t_first_s`` and ``gaps_s`` stay empty; ``t_first_server_s`` comes from the engine's metrics): the
-    client then needs almost no CPU, which keeps its send times exact on a busy 2-core machine.
+async def replay_async(url: str, arrivals: Sequence[Arrival], options: ReplayOptions | None = None) -> ReplayResult:
+    """Send ``arrivals`` (see the module's docstring) as ``options`` says (``ReplayOptions``; default: streamed,
+    the server's base model, seed 0, no window). ``stream=False``: one answer per request, no per-token record
+    (``t_first_s`` and ``gaps_s`` stay empty; ``t_first_server_s`` comes from the engine's metrics): the client
+    then needs almost no CPU, which keeps its send times exact on a busy 2-core machine.
 
     ``window_s``: at this time after the start, requests still open are cancelled (the server aborts them when
-    the connection closes) and the replay returns what it has, as a benchmark with a time window does.
-    ``headers``: sent with every request (e.g. ``Authorization``)."""
+    the connection closes) and the replay returns what it has, as a benchmark with a time window does."""
+    import dataclasses
+
     import aiohttp
     import prometheus_client.parser  # noqa: F401 - imported now, not in the scraper's first pass
 
+    options = options or ReplayOptions()
     records = [RequestRecord(i, a.adapter_id, a.prompt_tokens, a.output_tokens, a.t_s) for i, a in enumerate(arrivals)]
     samples: list[MetricsSample] = []
     stop = threading.Event()
+    timeout_s = options.timeout_s
     # aiohttp, not httpx: httpx's connection set-up (anyio connect_tcp) held the event loop for up to 1.7 s at
     # a time on a busy 2-core machine, delaying sends; aiohttp kept them within a few ms (docs/testbed.md)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                     headers=headers or {}) as session:
-        if not model:
+                                     headers=options.headers or {}) as session:
+        if not options.model:
             async with session.get(url + "/v1/models") as r:
                 model = (await r.json())["data"][0]["id"]  # the base model is listed first
+            options = dataclasses.replace(options, model=model)
         t0 = time.monotonic()
-        scraper = threading.Thread(target=_scrape, args=(url, t0, samples, stop, scrape_every_s), daemon=True)
+        scraper = threading.Thread(target=_scrape, args=(url, t0, samples, stop, options.scrape_every_s),
+                                   daemon=True)
         scraper.start()
-        sends = [asyncio.create_task(send_request(session, url, model, a, rec, t0, seed, extra_body, stream))
+        sends = [asyncio.create_task(send_request(session, url, a, rec, t0, options))
                  for a, rec in zip(arrivals, records, strict=True)]
         try:
-            if window_s is None:
+            if options.window_s is None:
                 await asyncio.wait_for(asyncio.gather(*sends), timeout_s)
             else:
-                await asyncio.wait(sends, timeout=window_s)
+                await asyncio.wait(sends, timeout=options.window_s)
         finally:
             stop.set()
             scraper.join(timeout=15)
@@ -242,9 +278,9 @@ async def replay_async(url: str, arrivals: Sequence[Arrival], model: str = "", s
     return ReplayResult(records, samples, wall)
 
 
-def replay(url: str, arrivals: Sequence[Arrival], **kwargs) -> ReplayResult:
-    """Send ``arrivals`` to the server at ``url`` (blocking); see ``replay_async`` for the options."""
-    return asyncio.run(replay_async(url, arrivals, **kwargs))
+def replay(url: str, arrivals: Sequence[Arrival], options: ReplayOptions | None = None) -> ReplayResult:
+    """Send ``arrivals`` to the server at ``url`` (blocking); see ``replay_async`` and ``ReplayOptions``."""
+    return asyncio.run(replay_async(url, arrivals, options))
 
 
 # --- the twin side -------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lorapack.testbed.env import VLLM_VERSION, TestbedError
-from lorapack.testbed.replay import Arrival, ReplayResult, order_agreement, replay, twin_replay
+from lorapack.testbed.replay import Arrival, ReplayOptions, ReplayResult, order_agreement, replay, twin_replay
 
 ADAPTERS = ("r8-0", "r8-1", "r16-0", "r16-1", "r32-0", "r32-1")
 RANKS = (8, 8, 16, 16, 32, 32)
@@ -96,7 +96,7 @@ def run_staircase(url: str, profile, name: str, max_loras: int, attempts: int = 
     arrivals = design(name)
     planned = np.array([a.t_s for a in arrivals])
     for attempt in range(1, attempts + 1):
-        result = replay(url, arrivals, stream=False, scrape_every_s=0.25)
+        result = replay(url, arrivals, ReplayOptions(stream=False, scrape_every_s=0.25))
         sent = np.array([r.t_sent_s for r in result.records])
         lag = float(np.nanmax(sent - planned))
         if lag <= MAX_SEND_LAG_S or attempt == attempts:
