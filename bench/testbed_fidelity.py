@@ -52,7 +52,7 @@ def main() -> int:
     from lorapack.measure import experiments as ex
     from lorapack.measure import proof as fd
     from lorapack.measure.probe import Http
-    from lorapack.measure.run import Store, capacity_rps, idle_service, measure
+    from lorapack.measure.run import MeasureOptions, MeasureTarget, Store, capacity_rps, idle_service, measure
     from lorapack.profile import load_profile_file
     from lorapack.realruns import smape
     from lorapack.testbed.env import INSTALL_HINT, find_testbed
@@ -74,8 +74,9 @@ def main() -> int:
         def measure_and_fit(tag: str, seed: int) -> tuple[Path, object, float]:
             mdir = work / f"measure-{tag}"
             t0 = time.monotonic()
-            measure(server.url, adapters_csv, mdir, budget_min=args.budget_min, log=server.log, seed=seed,
-                    fresh=True, say=lambda s: print(f"[measure {tag}] {s}", flush=True))
+            measure(MeasureTarget(url=server.url, log=server.log), adapters_csv, mdir,
+                    MeasureOptions(budget_min=args.budget_min, seed=seed, fresh=True),
+                    say=lambda s: print(f"[measure {tag}] {s}", flush=True))
             wall = time.monotonic() - t0
             prof_path = work / f"profile-{tag}.yaml"
             calibrate(mdir, runs=[mdir / "runs.csv"], out=prof_path, workers=1,

@@ -57,6 +57,8 @@ def measure(
     """Measure a running vLLM server from the outside (designed experiments through /v1/completions and
     /metrics) and write profiling data for ``lorapack calibrate --profiling DIR --runs DIR/runs.csv``."""
     from ..measure.experiments import Caps
+    from ..measure.launch import parse_grid
+    from ..measure.run import MeasureOptions, MeasureTarget
     from ..measure.run import measure as run_measure
 
     def say(text: str) -> None:
@@ -65,22 +67,15 @@ def measure(
     def progress(name: str, i: int, n: int) -> None:
         err_console.print(f"  {name}: {i}/{n}", highlight=False, markup=False)
 
-    if runs is not None and runs < 1:
-        from ..measure.probe import MeasureError
-
-        raise MeasureError(f"--runs {runs}: expected an integer >= 1")
-    from ..measure.launch import parse_grid
-    from ..measure.probe import MeasureError as _ME
-
     grid = parse_grid(grid_max_loras, grid_max_lora_rank) if grid_max_loras.strip() else []
-    if grid and launch is None:
-        raise _ME("--grid-max-loras: a start-up grid needs --launch (lorapack starts the server per point)")
-    summary = run_measure(url, adapters, out, launch=launch, grid=grid, start_timeout_s=start_timeout, budget_min=budget_min, log=log, server_args=server_args,
-                          api_key=api_key, force=force, fresh=fresh, seed=seed,
-                          caps=Caps(max_concurrency=max_concurrency, max_rate_rps=max_rate,
-                                    max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens),
-                          mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens, n_runs=runs,
-                          say=say, progress=progress)
+    target = MeasureTarget(url=url, launch=launch, grid=tuple(grid), start_timeout_s=start_timeout, log=log,
+                           server_args=server_args, api_key=api_key)
+    options = MeasureOptions(budget_min=budget_min, seed=seed,
+                             caps=Caps(max_concurrency=max_concurrency, max_rate_rps=max_rate,
+                                       max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens),
+                             mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens, n_runs=runs,
+                             force=force, fresh=fresh)
+    summary = run_measure(target, adapters, out, options, say=say, progress=progress)
     if json_out:
         print_json(summary)
     else:

@@ -15,7 +15,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -262,56 +262,102 @@ def run_designs(ctx: ex.Context, n_runs: int) -> list[tuple[int, float]]:
     return out
 
 
-def measure(url: str | None, adapters_csv: str | Path, out: str | Path, *, budget_min: float = 20.0,
-            log: str | Path | None = None, server_args: str | None = None, api_key: str | None = None,
-            force: bool = False, fresh: bool = False, seed: int = 0, caps: ex.Caps | None = None,
-            mean_input_tokens: float = DEFAULT_MEAN_INPUT, mean_output_tokens: float = DEFAULT_MEAN_OUTPUT,
-            n_runs: int | None = None, say: Callable[[str], None] = print,
-            progress: Callable[[str, int, int], None] | None = None, launch: str | None = None,
-            grid: Sequence[tuple[int, int]] = (), start_timeout_s: float | None = None) -> dict:
-    """Measure the server at ``url`` into ``out`` (see the module docstring); returns a summary.
+@dataclass(frozen=True)
+class MeasureTarget:
+    """The server ``measure`` measures: a running one at ``url``, or ``launch``: a ``vllm serve`` command that
+    lorapack starts itself (``measure.launch``), first once per ``grid`` point (--max-loras x --max-lora-rank,
+    ``startup.csv``; at most ``start_timeout_s`` per start), then once for the experiments. ``log`` (its start-up
+    log) and ``server_args`` (its ``vllm serve`` flags) tell the flags ``/metrics`` does not; ``api_key`` is sent
+    as a bearer token. Invalid values raise ``MeasureError`` naming the flag."""
 
-    ``launch``: instead of ``url``, a ``vllm serve`` command that lorapack starts itself (``measure.launch``):
-    first once per ``grid`` point (``startup.csv``), then once for the experiments; stopped at the end."""
+    url: str | None = None
+    launch: str | None = None
+    grid: tuple[tuple[int, int], ...] = ()
+    start_timeout_s: float | None = None
+    log: Path | None = None
+    server_args: str | None = None
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grid", tuple(tuple(g) for g in self.grid))
+        if self.launch is not None:
+            if self.url:
+                raise MeasureError("--url and --launch: give one (with --launch lorapack starts the server on "
+                                   "127.0.0.1 itself)")
+        else:
+            if self.grid:
+                raise MeasureError("--grid-max-loras: a start-up grid needs --launch (lorapack starts the server "
+                                   "per point)")
+            if not self.url:
+                raise MeasureError("--url: missing; give the server's base address, or --launch 'vllm serve ...'")
+            object.__setattr__(self, "url", check_url(self.url))
+        object.__setattr__(self, "log", Path(self.log) if self.log else None)
+
+
+@dataclass(frozen=True)
+class MeasureOptions:
+    """How ``measure`` measures: the wall-time budget (minutes; the experiments scale their repetitions to it),
+    the seed of every prompt, length and arrival, the traffic limits (``Caps``), the runs' mean request lengths
+    and number (None: as many as the budget allows, at least 3); ``force``: measure a busy server; ``fresh``:
+    start over instead of resuming. Invalid values raise ``MeasureError`` naming the flag."""
+
+    budget_min: float = 20.0
+    seed: int = 0
+    caps: ex.Caps = field(default_factory=ex.Caps)
+    mean_input_tokens: float = DEFAULT_MEAN_INPUT
+    mean_output_tokens: float = DEFAULT_MEAN_OUTPUT
+    n_runs: int | None = None
+    force: bool = False
+    fresh: bool = False
+
+    def __post_init__(self) -> None:
+        b = self.budget_min
+        if not (isinstance(b, int | float) and math.isfinite(b) and b >= MIN_BUDGET_MIN):
+            raise MeasureError(f"--budget-min {b}: expected a number of minutes >= {MIN_BUDGET_MIN:g}")
+        caps = self.caps
+        for name, v in (("--max-concurrency", caps.max_concurrency), ("--max-rate", caps.max_rate_rps),
+                        ("--max-prompt-tokens", caps.max_prompt_tokens),
+                        ("--max-output-tokens", caps.max_output_tokens),
+                        ("--mean-input-tokens", self.mean_input_tokens),
+                        ("--mean-output-tokens", self.mean_output_tokens)):
+            if not (math.isfinite(v) and v >= 1):
+                raise MeasureError(f"{name} {v}: expected a number >= 1")
+        if self.n_runs is not None and self.n_runs < 1:
+            raise MeasureError(f"--runs {self.n_runs}: expected an integer >= 1")
+
+
+def measure(target: MeasureTarget, adapters_csv: str | Path, out: str | Path, options: MeasureOptions | None = None,
+            say: Callable[[str], None] = print, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Measure the server ``target`` names (``MeasureTarget``: at its url, or launched by lorapack) into ``out``
+    as ``options`` says (``MeasureOptions``; see the module docstring); returns a summary. ``say`` receives
+    the messages, ``progress(experiment, done, total)`` the progress."""
     t_start = time.monotonic()
-    if launch is not None:
-        if url:
-            raise MeasureError("--url and --launch: give one (with --launch lorapack starts the server on "
-                               "127.0.0.1 itself)")
-        return _measure_launched(launch, adapters_csv, out, grid, start_timeout_s, budget_min=budget_min,
-                                 server_args=server_args, api_key=api_key, force=force, fresh=fresh, seed=seed,
-                                 caps=caps, mean_input_tokens=mean_input_tokens,
-                                 mean_output_tokens=mean_output_tokens, n_runs=n_runs, say=say, progress=progress,
-                                 t_start=t_start)
-    if not url:
-        raise MeasureError("--url: missing; give the server's base address, or --launch 'vllm serve ...'")
-    url = check_url(url)
-    if not (isinstance(budget_min, int | float) and math.isfinite(budget_min) and budget_min >= MIN_BUDGET_MIN):
-        raise MeasureError(f"--budget-min {budget_min}: expected a number of minutes >= {MIN_BUDGET_MIN:g}")
-    caps = caps or ex.Caps()
-    for name, v in (("--max-concurrency", caps.max_concurrency), ("--max-rate", caps.max_rate_rps),
-                    ("--max-prompt-tokens", caps.max_prompt_tokens), ("--max-output-tokens", caps.max_output_tokens),
-                    ("--mean-input-tokens", mean_input_tokens), ("--mean-output-tokens", mean_output_tokens)):
-        if not (math.isfinite(v) and v >= 1):
-            raise MeasureError(f"{name} {v}: expected a number >= 1")
+    options = options or MeasureOptions()
+    if target.launch is not None:
+        return _measure_launched(target, adapters_csv, out, options, say, progress, t_start)
+    url = target.url
+    assert url is not None  # MeasureTarget: a url or a launch command
+    caps = options.caps
+    budget_min, seed = options.budget_min, options.seed
+    mean_input_tokens, mean_output_tokens = options.mean_input_tokens, options.mean_output_tokens
     adapters = read_adapters(adapters_csv)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise MeasureError(f"--out {out}: exists and is not a directory")
-    http = Http(url, api_key)
+    http = Http(url, target.api_key)
     version(http)  # a vLLM server answers there (one line otherwise), before anything else is asked of it
     sc = scrape(http)  # before the one probe request identify sends: a busy server gets none
-    if sc.running + sc.waiting > 0 and not force:
+    if sc.running + sc.waiting > 0 and not options.force:
         raise MeasureError(f"--url {url}: the server is busy ({sc.running:.0f} running, {sc.waiting:.0f} "
                            "waiting requests); measure an idle server, or pass --force")
-    ident, loaded = identify(http, adapters, Path(log) if log else None, server_args, say)
+    ident, loaded = identify(http, adapters, target.log, target.server_args, say)
     try:
         out = check_output_dir(out, "--out", create=True)  # created once the server answered
         budget_s = 60.0 * budget_min
         settings = {"seed": seed, "budget_min": budget_min, "caps": asdict(caps),
                     "mean_input_tokens": mean_input_tokens, "mean_output_tokens": mean_output_tokens}
         store = Store(out)
-        resumed = store.begin(ident, settings, fresh)
+        resumed = store.begin(ident, settings, options.fresh)
         scale = min(1.0, budget_min / 20.0)
         ctx = ex.Context(http, ident, [(a, r) for a, r, _ in adapters], caps, seed, scale, say)
         shares = plan(budget_s)
@@ -336,7 +382,8 @@ def measure(url: str | None, adapters_csv: str | Path, out: str | Path, *, budge
                     progress(name, i, n)
 
             if name == "runs":
-                rows = _runs(ctx, store, shares[name], n_runs, mean_input_tokens, mean_output_tokens, say, prog)
+                rows = _runs(ctx, store, shares[name], options.n_runs, mean_input_tokens, mean_output_tokens, say,
+                             prog)
             else:
                 rows = runners[name](ctx, shares[name], prog)
             store.finish(name, rows, time.monotonic() - t0)
@@ -349,26 +396,30 @@ def measure(url: str | None, adapters_csv: str | Path, out: str | Path, *, budge
     return {"out": str(out), "wall_s": wall, "identity": asdict(ident), "calibrate": cmd}
 
 
-def _measure_launched(template: str, adapters_csv, out, grid, start_timeout_s, *, t_start: float,
-                      say: Callable[[str], None], **kwargs) -> dict:
+def _measure_launched(target: MeasureTarget, adapters_csv, out, options: MeasureOptions,
+                      say: Callable[[str], None], progress, t_start: float) -> dict:
     from . import launch as ln
 
+    template, grid = target.launch, target.grid
+    assert template is not None
     ln.command_words(template, [])  # a bad command line is an error before anything starts
     read_adapters(adapters_csv)
-    timeout = ln.DEFAULT_START_TIMEOUT_S if start_timeout_s is None else float(start_timeout_s)
+    timeout = ln.DEFAULT_START_TIMEOUT_S if target.start_timeout_s is None else float(target.start_timeout_s)
     out = check_output_dir(out, "--out", create=True)
-    if kwargs.get("fresh"):
+    if options.fresh:
         (out / "startup.csv").unlink(missing_ok=True)
     rows: list[dict] = []
     if grid:
         say(f"startup: {len(grid)} start(s) of the server, one per --max-loras x --max-lora-rank point")
         done = read_rows(out, "startup.csv", required=False)
-        rows = ln.startup_grid(template, grid, out / "logs", timeout, say, done=done,
+        rows = ln.startup_grid(template, list(grid), out / "logs", timeout, say, done=done,
                                save=lambda r: _write_csv(out / "startup.csv", r))
     say("starting the server for the experiments")
     server = ln.start(template, [], out / "logs" / "server.log", timeout)
     try:
-        summary = measure(server.url, adapters_csv, out, log=server.log, say=say, **kwargs)
+        running = MeasureTarget(url=server.url, log=server.log, server_args=target.server_args,
+                                api_key=target.api_key)
+        summary = measure(running, adapters_csv, out, options, say, progress)
     finally:
         server.stop()
     if rows:
