@@ -117,6 +117,11 @@ def _place(values: dict[str, Any]) -> None:
     endpoints = Endpoints(base_port=values["base_port"], gpus_per_node=values["gpus_per_node"],
                           host_pattern=values["host_pattern"])
     check_out_dir(out)
+    previous = None
+    if config.previous is not None:  # read before any work; the migration from it is written beside the plan
+        from ..replan.replan import load_previous
+
+        previous = load_previous(config.previous).plan
     prof = apply_vllm_version(load_profile(values["model"], values["gpu"], values["profile"]), values["vllm_version"])
     wl = load_workload(workload)
     inst = instance_from_workload(wl, headroom=config.headroom, mean_input_tokens=config.mean_input_tokens,
@@ -132,7 +137,7 @@ def _place(values: dict[str, Any]) -> None:
             plan = run_place(inst, prof, config, progress=lambda msg: status.update(f"{config.method}: {msg}"))
     if plan.infeasible:
         raise LorapackError(plan.reason)
-    files = write_outputs(plan, out, inst.paths, endpoints)
+    files = write_outputs(plan, out, inst.paths, endpoints, previous)
     if json_out:
         print_json(plan.to_dict())
         return
@@ -210,8 +215,27 @@ def _render(plan, files: list[Path]) -> None:
     # what a router config cannot carry of the plan (a split adapter's weights), said where the operator looks
     lines += [f"[yellow]{c.file_name}: {escape(note)}[/yellow]" for c in router_configs(routes(plan))
               for note in c.unexpressed]
+    if plan.replan:
+        lines[1:1] = replan_lines(plan.replan)
     for line in lines:
         console.print(line, highlight=False)
+
+
+def replan_lines(r: dict) -> list[str]:
+    """What a re-plan (``--previous``) changed, against a from-scratch plan for the same rates."""
+    m, g = r["moves"], r["gpus"]
+    parts = [f"{m[k]} {k}" for k in ("gone", "new", "needed", "optional", "verification") if m.get(k)]
+    cap = "no cap" if r.get("max_moves") is None else f"--max-moves {r['max_moves']}"
+    lines = [f"re-plan: {m['total']} moves ({', '.join(parts) or 'none'}; optional ones: {cap}), "
+             f"{len(r['restarts'])} restart(s), GPUs {g['previous']} -> {g['now']}"
+             + (f" (started {g['started']}, released {g['released']})" if g["started"] or g["released"] else "")]
+    s = r.get("from_scratch") or {}
+    if s.get("infeasible"):
+        lines.append(f"from scratch: infeasible ({s.get('reason')})")
+    elif s:
+        lines.append(f"from scratch (its GPUs matched to the previous ones): {s['gpus']} GPUs, {s['moves']} moves, "
+                     f"{s['restarts']} restart(s)")
+    return lines
 
 
 def _lengths_text(settings: dict) -> str:

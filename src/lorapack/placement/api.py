@@ -343,7 +343,7 @@ def build_plan(method: str, inst: Instance, profile: Profile, fills: list[GpuFil
             predicted=None if v is not None and f.prediction is v.prediction else _metrics(
                 f.prediction, inst, f.entries, tested_adapters=f.extra.get("tested_at")),
             verified=_metrics(v.prediction, inst, f.entries, v) if v is not None else None,
-            binding=binding, ranks=[int(inst.ranks[e]) for e in f.entries]))
+            binding=binding, ranks=[int(inst.ranks[e]) for e in f.entries], rates_rps=[float(x) for x in rates]))
     return Plan(method=method, model=profile.model, gpu_type=profile.gpu, gpus=gpus)
 
 
@@ -392,6 +392,10 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
     # a placement past the resource limits (``--force`` lifts them), are refused in milliseconds
     guard_placement(inst, profile, config, twin_oracle=overrides.oracle is None and asks_the_twin(
         method.oracle, inst, profile), pool_search=not method.greedy and config.gpus is None)
+    if config.previous is not None:  # a re-plan (lorapack.replan.replan): the previous plan's churn, capped
+        from ..replan.replan import load_previous, replan
+
+        return replan(inst, profile, config, load_previous(config.previous), overrides, progress)
     ctx = Context.of(profile, config, overrides, verify_arrivals, progress)
     ctx.lengths_probe = inst.candidate(profile, [0], 1)
     n_max = ctx.options.n_max

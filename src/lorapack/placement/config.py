@@ -66,6 +66,12 @@ class PlaceConfig:
     mean_output_tokens: float | None = _opt(None, "Override the mean output tokens.")
     workers: int | None = _opt(None, "Worker processes for twin runs (0 = all cores; default: up to 2).")
     force: bool = _opt(False, lambda: _force_help())
+    previous: Path | None = _opt(None, "Re-plan from this plan.json (or the --out directory holding it): adapters "
+                                       "stay where they are unless moving them saves a GPU or a GPU fails; also "
+                                       "writes migrate.json and migrate.sh (docs/replan.md).", metavar="PLAN")
+    max_moves: int | None = _opt(None, "With --previous: at most K optional moves (an adapter loaded on or "
+                                       "unloaded from one server), those that save GPUs; moves a failing GPU "
+                                       "needs are always made. Default: no cap.", metavar="K")
 
     def __post_init__(self) -> None:
         get_method(self.method)
@@ -96,6 +102,21 @@ class PlaceConfig:
             check_workers(self.workers)
         if not isinstance(self.force, bool):
             raise SpecError(f"force {self.force!r}: expected True or False")
+        self._check_replan()
+
+    def _check_replan(self) -> None:
+        if self.previous is not None:
+            prev = Path(self.previous)
+            if not (prev.is_file() or (prev / "plan.json").is_file()):
+                raise SpecError(f"--previous {prev}: expected a plan.json (or the --out directory holding one)")
+            if self.split_hot:
+                raise SpecError("--previous with --split-hot: expected one of them (a re-plan keeps the previous "
+                                "plan's split adapters as they were)")
+        if self.max_moves is not None:
+            if isinstance(self.max_moves, bool) or not isinstance(self.max_moves, int) or self.max_moves < 0:
+                raise SpecError(f"--max-moves {self.max_moves}: expected an integer >= 0")
+            if self.previous is None:
+                raise SpecError(f"--max-moves {self.max_moves}: expected with --previous (it caps a re-plan's moves)")
 
     def worker_count(self) -> int:
         """Processes for twin runs: ``workers`` (0 = all cores), by default up to 2."""

@@ -277,16 +277,17 @@ def check_out_dir(out: Path) -> Path:
     from ..checks import check_output_dir
 
     out = check_output_dir(out, "--out")
-    for name in OUTPUT_FILES:
+    for name in (*OUTPUT_FILES, "migrate.json", "migrate.sh"):
         if (out / name).is_dir():
             raise SpecError(f"--out {out}: {out / name} is a directory")
     return out
 
 
 def write_outputs(plan: Plan, out: Path, paths: dict[str, str] | None = None,
-                  endpoints: Endpoints = Endpoints()) -> list[Path]:
-    """Write plan.json, serve.sh, routes.json and the router configs into ``out``: every file is written to a
-    temporary file first and all are renamed into place only when all were written (nothing half-written)."""
+                  endpoints: Endpoints = Endpoints(), previous: Plan | None = None) -> list[Path]:
+    """Write plan.json, serve.sh, routes.json and the router configs into ``out`` (with ``previous``, the plan a
+    re-plan started from: migrate.json and migrate.sh too): every file is written to a temporary file first and
+    all are renamed into place only when all were written (nothing half-written)."""
     from contextlib import ExitStack
 
     from ..checks import atomic_path
@@ -300,10 +301,14 @@ def write_outputs(plan: Plan, out: Path, paths: dict[str, str] | None = None,
         "routes.json": json.dumps(route_table, indent=1) + "\n",
         **{c.file_name: c.text for c in router_configs(route_table)},
     }
+    if previous is not None:
+        from ..replan.migrate import migration_files
+
+        texts.update(migration_files(previous, plan, paths or {}, endpoints))
     with ExitStack() as stack:
         for name, text in texts.items():
             tmp = stack.enter_context(atomic_path(out / name))
             tmp.write_text(text, encoding="utf-8")
             if name.endswith(".sh"):
                 tmp.chmod(0o755)
-    return [out / name for name in OUTPUT_FILES]
+    return [out / name for name in texts]

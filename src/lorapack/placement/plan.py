@@ -67,12 +67,17 @@ class GpuPlan:
     # each adapter's LoRA rank (same order; empty in plans written before it was recorded): ``lorapack serve
     # --plan`` registers the adapters with it
     ranks: list[int] = field(default_factory=list)
+    # the rate (req/s, headroom included, this GPU's share) each adapter was planned for, same order (empty in
+    # plans written before it was recorded): ``place --previous`` re-tests only GPUs whose adapters' rates rose
+    rates_rps: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.weights) != len(self.adapters):
             raise ValueError("one weight per adapter")
         if self.ranks and len(self.ranks) != len(self.adapters):
             raise ValueError("one rank per adapter (or none)")
+        if self.rates_rps and len(self.rates_rps) != len(self.adapters):
+            raise ValueError("one rate per adapter (or none)")
         if self.binding not in BINDING:
             raise ValueError(f"binding {self.binding!r}: expected one of {', '.join(BINDING)}")
         if not isinstance(self.server, ServerConfig):
@@ -128,6 +133,9 @@ class Plan:
     lower_bound: dict[str, Any] = field(default_factory=dict)  # the bound's parts (placement.bound.LowerBound)
     verification: dict[str, Any] = field(default_factory=dict)  # seeds, passed, repair log, gpus_added
     diagnostics: dict[str, Any] = field(default_factory=dict)  # oracle calls, search probes, rebalance, ...
+    # a re-plan's churn (``place --previous``: moves, restarts, GPUs against a from-scratch plan, and the moves
+    # the next window reads so that no adapter moves back); empty for a plan made from scratch
+    replan: dict[str, Any] = field(default_factory=dict)
 
     @property
     def gpus_used(self) -> int:
@@ -193,7 +201,7 @@ def plan_from_dict(d: dict[str, Any]) -> Plan:
     """Inverse of ``Plan.to_dict`` (``plan.json``)."""
     gpus = [GpuPlan.from_dict(g) for g in d["gpus"]]
     keys = {k: d[k] for k in ("method", "model", "gpu_type", "lower_bound_gpus", "infeasible", "reason",
-                              "settings", "lower_bound", "verification", "diagnostics") if k in d}
+                              "settings", "lower_bound", "verification", "diagnostics", "replan") if k in d}
     for k in ("placement_ms", "load_ms", "verification_ms"):
         keys[k] = NAN if d.get(k) is None else d[k]
     return Plan(gpus=gpus, **keys)

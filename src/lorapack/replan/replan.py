@@ -1,0 +1,602 @@
+"""Re-planning with a churn cap (issue 25, item 2): ``lorapack place NEW --previous plan.json [--max-moves K]``.
+
+Adapters stay on the GPU they were on. A *move* is one adapter loaded on, or unloaded from, one server (so an
+adapter relocated from GPU x to GPU y is two moves); a *restart* is a server that keeps running adapters of the
+previous window but whose flags change. The steps, each asking the method's oracle (the twin at the search's
+settings for the pool methods) the same TEST the greedy asks:
+
+1. carry over: every GPU keeps its adapters still in the workload (the others are unloaded: ``gone``); GPU
+   indices are kept (a GPU's index is its port), a GPU left without adapters is released (an empty GPU in the
+   plan, not started by ``serve.sh``);
+2. needed moves: a GPU whose adapters' planned rates rose (or whose rates the previous plan did not record) is
+   tested with its ``--max-loras`` (no restart), else with the other slot values (a restart); a GPU that fails
+   with all of them sheds its hottest adapters, the fewest that make it pass (bisection);
+3. homes: new adapters and shed ones (hottest first) go to the running GPU that passes with them and carries the
+   least load, without a restart (rank within its ``--max-lora-rank``) and never onto a GPU they left in this
+   window or the previous one (no bouncing: ``replan.moved_from`` in plan.json); what no GPU takes opens new
+   GPUs (the greedy driver), first at the indices of released GPUs;
+4. optional moves: while the plan has more GPUs than a from-scratch plan of the same method for the same rates,
+   the GPU cheapest to empty (two moves per adapter it hosts) is emptied onto the others, if all of its adapters
+   find a home as in step 3 and the optional moves stay within ``--max-moves``;
+5. verification (``--verify``): the twin verifies every GPU and repairs the failing ones (``verify.repair``);
+   the moves it makes are always made (``verification`` moves), bouncing or not.
+
+A GPU whose adapters' rates did not rise and which gained no adapter is not re-tested in step 2: it passed for
+heavier or equal rates (the oracle's and the twin's answers are taken as monotone in the load); verification,
+when on, judges it anyway. A kept server keeps its ``--max-cpu-loras`` when it gains adapters without a restart:
+vLLM's CPU cache of adapters is LRU, the adapters beyond it reload from disk when evicted.
+
+The plan reports the moves, restarts and GPUs (``Plan.replan``), and the same for the from-scratch plan, whose
+GPUs are first matched to the previous ones with the fewest moves (``scipy.optimize.linear_sum_assignment``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SpecError
+from ..oracle import GpuCandidate, Oracle, default_slot_rank
+from ..placement.config import PlaceConfig
+from ..placement.greedy import GpuFill, Infeasible, MemoryRule, choose, greedy_fill, slot_candidates
+from ..placement.plan import PLAN_FLAGS, GpuPlan, Plan, plan_from_dict
+from ..placement.problem import Instance, predicted_ok
+from ..placement.search import first_true
+from ..profile import Profile
+from ..server import ServerConfig
+
+# a planned rate counts as risen above this relative margin (float noise of a YAML round trip is not a rise)
+RATE_RISE = 1e-9
+REASONS = ("gone", "new", "needed", "optional", "verification")
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Previous:
+    """The plan a re-plan starts from, and what its own re-plan moved (``moved_from``: adapter -> the GPUs the
+    previous window unloaded it from when it relocated it: it does not go back there unless verification needs
+    it)."""
+
+    plan: Plan
+    path: str
+    moved_from: dict[str, frozenset[int]] = field(default_factory=dict)
+
+
+def load_previous(path: Path) -> Previous:
+    """The plan of ``--previous PATH`` (a plan.json, or the directory holding one); ``SpecError`` naming it."""
+    path = Path(path)
+    file = path / "plan.json" if path.is_dir() else path
+    try:
+        plan = plan_from_dict(json.loads(file.read_text(encoding="utf-8")))
+    except OSError as exc:
+        raise SpecError(f"--previous {path}: cannot read it ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+        why = " ".join(str(exc).split())[:120]
+        raise SpecError(f"--previous {path}: expected a plan.json written by lorapack place ({why})") from None
+    if plan.infeasible:
+        raise SpecError(f"--previous {path}: the plan is infeasible (it placed nothing): re-plan from scratch")
+    moved = (plan.replan or {}).get("moved_from") or {}
+    try:
+        moved_from = {str(a): frozenset(int(g) for g in gs) for a, gs in moved.items()}
+    except (TypeError, ValueError, AttributeError):
+        raise SpecError(f"--previous {path}: replan.moved_from: expected adapter -> [GPU index, ...]") from None
+    return Previous(plan=plan, path=str(file), moved_from=moved_from)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# churn between two lists of GPUs
+
+
+def gpu_sets(plan: Plan) -> list[set[str]]:
+    return [set(g.adapters) for g in plan.gpus]
+
+
+def needs_restart(old: ServerConfig, new: ServerConfig, n_adapters: int) -> bool:
+    """A server running in both windows with ``n_adapters`` adapters now restarts when a flag changes; not for
+    a ``--max-cpu-loras`` alone (the CPU cache is LRU), a ``--max-lora-rank`` that already covers the new one,
+    nor ``--max-loras`` values equal once clipped to the adapters (slots beyond them are never used)."""
+    for k in PLAN_FLAGS:
+        a, b = getattr(old, k), getattr(new, k)
+        if k == "max_cpu_loras" or (k == "max_lora_rank" and a is not None and b is not None and b <= a):
+            continue
+        if k == "max_loras":
+            a, b = min(int(a), n_adapters), min(int(b), n_adapters)
+        if a != b:
+            return True
+    return False
+
+
+def churn(previous: Plan, plan: Plan, matching: Sequence[tuple[int | None, int | None]]) -> dict:
+    """Moves and restarts from ``previous`` to ``plan`` for a matching of their GPUs (pairs ``(previous GPU,
+    plan GPU)``; None on one side: a GPU started or released)."""
+    moves = restarts = started = released = 0
+    for p, n in matching:
+        before = set(previous.gpus[p].adapters) if p is not None else set()
+        after = set(plan.gpus[n].adapters) if n is not None else set()
+        moves += len(before ^ after)
+        if before and after and needs_restart(previous.gpus[p].server, plan.gpus[n].server,  # type: ignore[index]
+                                              len(after)):
+            restarts += 1
+        started += bool(after and not before)
+        released += bool(before and not after)
+    return {"moves": moves, "restarts": restarts, "gpus_started": started, "gpus_released": released}
+
+
+def best_matching(previous: Plan, plan: Plan) -> list[tuple[int | None, int | None]]:
+    """``plan``'s GPUs matched to ``previous``'s with the fewest moves (symmetric differences of the adapter
+    sets; a GPU matched to nothing loads or unloads all of its adapters): ``linear_sum_assignment``."""
+    from scipy.optimize import linear_sum_assignment
+
+    before, after = gpu_sets(previous), gpu_sets(plan)
+    n = max(len(before), len(after))
+    cost = np.zeros((n, n), dtype=np.int64)
+    for i in range(n):
+        for j in range(n):
+            b = before[i] if i < len(before) else set()
+            a = after[j] if j < len(after) else set()
+            cost[i, j] = len(a ^ b)
+    rows, cols = linear_sum_assignment(cost)
+    out = []
+    for i, j in zip(rows.tolist(), cols.tolist(), strict=True):
+        p = i if i < len(before) and before[i] else None
+        q = j if j < len(after) and after[j] else None
+        if p is not None or q is not None:
+            out.append((p, q))
+    return out
+
+
+def identity_matching(previous: Plan, plan: Plan) -> list[tuple[int | None, int | None]]:
+    """A re-plan keeps GPU indices: GPU g of the previous plan is GPU g of the new one."""
+    n = max(len(previous.gpus), len(plan.gpus))
+    out = []
+    for g in range(n):
+        p = g if g < len(previous.gpus) and previous.gpus[g].adapters else None
+        q = g if g < len(plan.gpus) and plan.gpus[g].adapters else None
+        if p is not None or q is not None:
+            out.append((p, q))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the re-plan
+
+
+@dataclass
+class _Gpu:
+    """One GPU during the re-plan: its entries (registration order) and its server's flags so far."""
+
+    entries: list[int]
+    max_loras: int
+    server: ServerConfig | None  # the previous window's server (None: started in this window)
+    tested: bool = False
+
+
+@dataclass
+class _State:
+    inst: Instance
+    profile: Profile
+    oracle: Oracle
+    config: PlaceConfig
+    gpus: list[_Gpu]
+    home: dict[int, int]  # entry -> GPU it was on in the previous window
+    forbidden: dict[int, set[int]]  # entry -> GPUs it may not be placed on (no bouncing)
+    why: dict[int, str] = field(default_factory=dict)  # entry -> why it left home (or arrived: "new")
+    mem: MemoryRule | None = None
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        self.mem = MemoryRule(self.profile)
+
+    def load(self, g: int) -> float:
+        return float(self.inst.rates_rps[self.gpus[g].entries].sum()) if self.gpus[g].entries else 0.0
+
+    def rank_cap(self, g: int) -> int:
+        srv = self.gpus[g].server
+        return int(srv.max_lora_rank) if srv is not None and srv.max_lora_rank is not None else 0
+
+    def candidate(self, entries: Sequence[int], a: int) -> GpuCandidate:
+        ix = np.asarray(entries, dtype=np.int64)
+        inst = self.inst
+        return GpuCandidate.prevalidated(self.profile, inst.ranks[ix], inst.rates_rps[ix], max(1, min(a, len(ix))),
+                                         inst.mean_input_tokens, inst.mean_output_tokens, inst.lengths)
+
+    def passes(self, sets: Sequence[tuple[Sequence[int], int]]) -> list[bool]:
+        """The TEST for each ``(entries, A)``, one oracle batch."""
+        if not sets:
+            return []
+        self.calls += 1
+        preds = self.oracle.predict([self.candidate(e, a) for e, a in sets])
+        obj = self.config.objective
+        return [predicted_ok(obj, p) for p in preds]
+
+    def settle(self, groups: Sequence[tuple[Sequence[int], int | None]]) -> list[int | None]:
+        """Each GPU's ``--max-loras``: ``current`` when it passes with it (no restart), else the TEST's choice
+        among the slot values that start (None: none passes). One oracle batch for all of them."""
+        assert self.mem is not None
+        keys, cands = [], []
+        for k, (entries, current) in enumerate(groups):
+            s = default_slot_rank(int(self.inst.ranks[list(entries)].max()))
+            values = slot_candidates(len(entries), s, self.mem)
+            if current is not None:
+                values = [current, *[a for a in values if a != current]]
+            for a in values:
+                keys.append((k, a))
+                cands.append(self.candidate(entries, a))
+        self.calls += 1
+        preds = self.oracle.predict(cands) if cands else []
+        by: dict[int, list] = {}
+        for (k, a), p in zip(keys, preds, strict=True):
+            by.setdefault(k, []).append((a, p))
+        out: list[int | None] = []
+        for k, (entries, current) in enumerate(groups):
+            rows = by.get(k, [])
+            if current is not None and rows and rows[0][0] == current and predicted_ok(self.config.objective,
+                                                                                       rows[0][1]):
+                out.append(current)
+                continue
+            a, _p, _why = choose([a for a, _ in rows], [p for _, p in rows], self.config.objective, len(entries),
+                                 _options(self.config))
+            out.append(a)
+        return out
+
+    def targets(self, e: int, exclude: set[int]) -> list[int]:
+        """Running GPUs entry ``e`` may join without a restart, least loaded first."""
+        inst = self.inst
+        rank = default_slot_rank(int(inst.ranks[e]))
+        aid = inst.adapter_ids[e]
+        n_max = _options(self.config).n_max
+        out = []
+        for g, gpu in enumerate(self.gpus):
+            if not gpu.entries or g in exclude or g in self.forbidden.get(e, ()) or len(gpu.entries) >= n_max:
+                continue
+            if gpu.server is not None and rank > self.rank_cap(g):
+                continue
+            if any(inst.adapter_ids[x] == aid for x in gpu.entries):  # a split adapter's other replica
+                continue
+            out.append(g)
+        return sorted(out, key=lambda g: (self.load(g), g))
+
+    def find_home(self, e: int, exclude: set[int]) -> int | None:
+        """The least-loaded GPU among ``targets`` that passes the TEST with ``e`` added (its ``A`` kept)."""
+        gs = self.targets(e, exclude)
+        ok = self.passes([(self.gpus[g].entries + [e], self.gpus[g].max_loras) for g in gs])
+        return next((g for g, good in zip(gs, ok, strict=True) if good), None)
+
+
+def _options(config: PlaceConfig):
+    from ..placement.greedy import N_MAX, GreedyOptions
+
+    return GreedyOptions(n_max=N_MAX if config.n_max is None else config.n_max)
+
+
+def _carry_splits(inst: Instance, previous: Plan) -> Instance:
+    """The new instance with each adapter the previous plan split over several GPUs as the same replicas
+    (one entry per previous GPU, its weight): a re-plan keeps splits as they were."""
+    shares: dict[str, list[float]] = {}
+    for g in previous.gpus:
+        for a, w in zip(g.adapters, g.weights, strict=True):
+            shares.setdefault(a, []).append(float(w))
+    split = {a: ws for a, ws in shares.items() if len(ws) > 1}
+    if not any(a in split for a in inst.adapter_ids):
+        return inst
+    idx: list[int] = []
+    weights: list[float] = []
+    for i, a in enumerate(inst.adapter_ids):
+        ws = split.get(a, [1.0])
+        tot = sum(ws) or 1.0
+        idx += [i] * len(ws)
+        weights += [w / tot for w in ws]
+    ix = np.asarray(idx, dtype=np.int64)
+    wa = np.asarray(weights)
+    return replace(inst, adapter_ids=tuple(inst.adapter_ids[i] for i in ix), ranks=inst.ranks[ix],
+                   rates_rps=inst.rates_rps[ix] * wa, weights=wa)
+
+
+def _initial_state(inst: Instance, profile: Profile, oracle: Oracle, config: PlaceConfig, previous: Previous
+                   ) -> _State:
+    """Step 1: every GPU with its adapters still in the workload, in registration order."""
+    slots: dict[str, list[int]] = {}
+    for i, a in enumerate(inst.adapter_ids):
+        slots.setdefault(a, []).append(i)
+    gpus, home = [], {}
+    for gi, g in enumerate(previous.plan.gpus):
+        entries = []
+        for a in g.adapters:
+            free = slots.get(a)
+            if free:
+                e = free.pop(0)
+                entries.append(e)
+                home[e] = gi
+        gpus.append(_Gpu(entries=entries, max_loras=int(g.max_loras), server=g.server if g.adapters else None))
+    forbidden = {e: set(previous.moved_from.get(inst.adapter_ids[e], ())) for e in range(inst.n)}
+    st = _State(inst=inst, profile=profile, oracle=oracle, config=config, gpus=gpus, home=home, forbidden=forbidden)
+    for e in range(inst.n):
+        if e not in home:
+            st.why[e] = "new"
+    return st
+
+
+def _risen(st: _State, previous: Plan, g: int) -> bool:
+    """Whether GPU ``g``'s load may have grown: an adapter's planned rate rose, or the plan has no rates."""
+    old = previous.gpus[g]
+    if not old.rates_rps:
+        return True
+    rate = dict(zip(old.adapters, old.rates_rps, strict=True))
+    return any(st.inst.rates_rps[e] > rate[st.inst.adapter_ids[e]] * (1 + RATE_RISE) + 1e-12
+               for e in st.gpus[g].entries)
+
+
+def _shed(st: _State, g: int) -> list[int]:
+    """Step 2 for a GPU that fails with every slot value: the fewest of its hottest adapters whose removal lets
+    it pass with its ``A`` or another (bisection); returns the entries shed."""
+    gpu = st.gpus[g]
+    order = sorted(gpu.entries, key=lambda e: (-st.inst.rates_rps[e], st.inst.adapter_ids[e]))
+
+    def passes_without(k: int) -> bool:
+        if k >= len(order):
+            return True
+        drop = set(order[:k])
+        return st.settle([([e for e in gpu.entries if e not in drop], gpu.max_loras)])[0] is not None
+
+    k = first_true(passes_without, 0, len(order))
+    drop = set(order[:k])
+    gpu.entries = [e for e in gpu.entries if e not in drop]
+    if gpu.entries:
+        a = st.settle([(gpu.entries, gpu.max_loras)])[0]
+        gpu.max_loras = int(a) if a is not None else gpu.max_loras
+    shed = [e for e in order[:k]]
+    for e in shed:
+        st.why.setdefault(e, "needed")
+        st.forbidden.setdefault(e, set()).add(g)
+    return shed
+
+
+def _open_gpus(st: _State, homeless: list[int], pool: int | None) -> None:
+    """What no running GPU takes goes onto new GPUs filled by the greedy driver, at released indices first."""
+    if not homeless:
+        return
+    ix = np.asarray(sorted(homeless), dtype=np.int64)
+    inst = st.inst
+    sub = replace(inst, adapter_ids=tuple(inst.adapter_ids[i] for i in ix), ranks=inst.ranks[ix],
+                  rates_rps=inst.rates_rps[ix], weights=inst.weights[ix])
+    fills = greedy_fill(sub, st.profile, st.oracle, st.config.objective, options=_options(st.config))
+    free = [g for g, gpu in enumerate(st.gpus) if not gpu.entries]
+    for f in fills:
+        entries = [int(ix[i]) for i in f.entries]
+        a = max(1, min(int(f.max_loras), len(entries)))
+        if free:
+            g = free.pop(0)
+            st.gpus[g] = _Gpu(entries=entries, max_loras=a, server=None, tested=True)
+        else:
+            st.gpus.append(_Gpu(entries=entries, max_loras=a, server=None, tested=True))
+    used = sum(1 for gpu in st.gpus if gpu.entries)
+    if pool is not None and used > pool:
+        raise Infeasible(f"the re-plan needs {used} GPUs, --gpus {pool} given", gpus_needed=used)
+
+
+def _place_homeless(st: _State, homeless: list[int], pool: int | None) -> None:
+    """Step 3: hottest first onto the least-loaded running GPU that passes with it; the rest onto new GPUs."""
+    left = []
+    for e in sorted(homeless, key=lambda x: (-st.inst.rates_rps[x], st.inst.adapter_ids[x])):
+        g = st.find_home(e, set())
+        if g is None:
+            left.append(e)
+        else:
+            st.gpus[g].entries.append(e)
+    _open_gpus(st, left, pool)
+
+
+def _consolidate(st: _State, target: int | None, budget: float) -> int:
+    """Step 4: empty the GPUs cheapest to empty while the plan has more GPUs than ``target`` and the optional
+    moves fit in ``budget``. Returns the optional moves made."""
+    spent = 0
+    if target is None:
+        return 0
+
+    def cost(g: int) -> int:  # entries at home on g move twice (off g, onto another); arrivals only re-aim
+        return 2 * sum(1 for e in st.gpus[g].entries if st.home.get(e) == g)
+
+    while sum(1 for gpu in st.gpus if gpu.entries) > target:
+        order = sorted((g for g, gpu in enumerate(st.gpus) if gpu.entries), key=lambda g: (cost(g), st.load(g), g))
+        done = False
+        for g in order:
+            price = cost(g)
+            if spent + price > budget:
+                break
+            saved = [list(gpu.entries) for gpu in st.gpus]
+            moving = sorted(st.gpus[g].entries, key=lambda x: (-st.inst.rates_rps[x], st.inst.adapter_ids[x]))
+            st.gpus[g].entries = []
+            ok = True
+            for e in moving:
+                h = st.find_home(e, {g})
+                if h is None:
+                    ok = False
+                    break
+                st.gpus[h].entries.append(e)
+            if ok:
+                spent += price
+                for e in moving:
+                    if st.home.get(e) == g:
+                        st.why[e] = "optional"
+                    st.forbidden.setdefault(e, set()).add(g)
+                done = True
+                break
+            for gpu, entries in zip(st.gpus, saved, strict=True):
+                gpu.entries = entries
+        if not done:
+            break
+    return spent
+
+
+def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Previous, overrides=None,
+           progress: Progress | None = None) -> Plan:
+    """``place()`` with ``config.previous``: the module docstring's steps; the plan's ``replan`` says what moved
+    and compares with a from-scratch plan of the same config for the same rates."""
+    from ..placement.api import Context, OracleOverrides, build_plan, place
+
+    overrides = overrides if overrides is not None else OracleOverrides()
+    prev = previous.plan
+    if prev.model != profile.model or prev.gpu_type != profile.gpu:
+        raise SpecError(f"--previous {previous.path}: a plan for {prev.model} on {prev.gpu_type}, expected one for "
+                        f"{profile.model} on {profile.gpu} (the profile of this re-plan)")
+    if inst.is_split:
+        raise SpecError("--previous: expected a workload without split entries (a re-plan keeps the previous "
+                        "plan's splits)")
+    say = progress or (lambda _m: None)
+    say("planning from scratch for comparison")
+    fresh = replace(config, previous=None, max_moves=None)
+    t_scratch = time.perf_counter()
+    scratch = place(inst, profile, fresh, overrides, progress)
+    scratch_ms = (time.perf_counter() - t_scratch) * 1e3
+
+    from ..placement.registry import get_method
+
+    method = get_method(config.method)
+    ctx = Context.of(profile, config, overrides, config.verify_law(inst), progress)
+    ctx.lengths_probe = inst.candidate(profile, [0], 1)
+    t0 = time.perf_counter()
+    oracle = ctx.oracle_of(method.oracle) if method.greedy and method.oracle else ctx.twin()
+    inst = _carry_splits(inst, prev)
+    st = _initial_state(inst, profile, oracle, config, previous)
+
+    say("re-testing the GPUs whose load rose")
+    changed = [g for g, gpu in enumerate(st.gpus) if gpu.entries and _risen(st, prev, g)]
+    homeless: list[int] = []
+    verdict = st.settle([(st.gpus[g].entries, st.gpus[g].max_loras) for g in changed])
+    failing = [g for g, a in zip(changed, verdict, strict=True) if a is None]
+    for g, a in zip(changed, verdict, strict=True):
+        st.gpus[g].tested = True
+        if a is not None:
+            st.gpus[g].max_loras = int(a)
+        else:
+            homeless += _shed(st, g)
+    for gpu in st.gpus:
+        gpu.tested = True
+    homeless += [e for e in range(inst.n) if st.why.get(e) == "new"]
+    try:
+        _place_homeless(st, homeless, config.gpus)
+        target = None if scratch.infeasible else scratch.gpus_used
+        budget = math.inf if config.max_moves is None else float(config.max_moves)
+        optional = _consolidate(st, target, budget)
+    except Infeasible as e:
+        return _infeasible(scratch, config, previous, str(e))
+    placement_ms = (time.perf_counter() - t0) * 1e3
+
+    fills, index = [], []
+    for g, gpu in enumerate(st.gpus):
+        if gpu.entries:
+            fills.append(GpuFill(entries=list(gpu.entries), max_loras=max(1, min(gpu.max_loras, len(gpu.entries)))))
+            index.append(g)
+    before = {g: list(st.gpus[g].entries) for g in index}
+    verdicts = None
+    verification: dict = {}
+    verification_ms = math.nan
+    if config.verify:
+        from ..placement.api import _verification_dict
+        from ..placement.verify import Judges, repair
+
+        t1 = time.perf_counter()
+        say(f"verifying {len(fills)} GPUs")
+        verifier = ctx.verifier(config.verify_seeds)
+        counts = (getattr(verifier, "n_simulations", 0), getattr(verifier, "cache_hits", 0))
+        try:
+            fills, verdicts, log = repair(inst, profile, fills, config.objective, Judges(verifier, ctx.twin()),
+                                          pool=config.gpus, options=ctx.options)
+        except Infeasible as e:
+            return _infeasible(scratch, config, previous, str(e))
+        verification_ms = (time.perf_counter() - t1) * 1e3
+        verification = _verification_dict(verifier, config.verify_seeds, len(index), fills, verdicts, log, counts)
+        free = [g for g, gpu in enumerate(st.gpus) if not gpu.entries]
+        for _ in fills[len(index):]:  # GPUs repair added: released indices first
+            index.append(free.pop(0) if free else len(st.gpus))
+            if index[-1] == len(st.gpus):
+                st.gpus.append(_Gpu(entries=[], max_loras=1, server=None))
+        after: dict[int, set[int]] = {}
+        for g, f in zip(index, fills, strict=True):
+            for e in f.entries:
+                after.setdefault(e, set()).add(g)
+        where = {e: {g} for g, es in before.items() for e in es}
+        for e, gs in after.items():
+            if gs != where.get(e) and e not in st.why:  # repair moved an adapter the re-plan had left at home
+                st.why[e] = "verification"
+    built = build_plan(method.name, inst, profile, fills, verdicts)
+    n_gpus = max(index, default=-1) + 1
+    gpus = [GpuPlan(adapters=[], weights=[], server=ServerConfig(max_loras=1)) for _ in range(n_gpus)]
+    for g, gp in zip(index, built.gpus, strict=True):
+        old = st.gpus[g].server if g < len(st.gpus) else None
+        if old is not None and not needs_restart(old, gp.server, len(gp.adapters)):
+            # no restart: the running server's flags stand (its --max-cpu-loras too, the CPU cache is LRU)
+            gp = replace(gp, server=old)
+        gpus[g] = gp
+    plan = Plan(method=method.name, model=profile.model, gpu_type=profile.gpu, gpus=gpus,
+                lower_bound_gpus=scratch.lower_bound_gpus, placement_ms=placement_ms,
+                load_ms=scratch.load_ms, verification_ms=verification_ms, settings=dict(scratch.settings),
+                lower_bound=scratch.lower_bound, verification=verification,
+                diagnostics={"oracle_calls": st.calls, "from_scratch_ms": scratch_ms})
+    plan.settings.update(previous=previous.path, max_moves=config.max_moves)
+    plan.replan = _report(plan, scratch, previous, st, optional)
+    plan.replan["failing_before"] = failing  # the previous plan's GPUs that fail under the new rates
+    return plan
+
+
+def _infeasible(scratch: Plan, config: PlaceConfig, previous: Previous, reason: str) -> Plan:
+    return Plan(method=scratch.method, model=scratch.model, gpu_type=scratch.gpu_type, gpus=[], infeasible=True,
+                reason=f"re-plan from {previous.path}: {reason}", settings=dict(scratch.settings),
+                lower_bound=scratch.lower_bound, lower_bound_gpus=scratch.lower_bound_gpus)
+
+
+def _report(plan: Plan, scratch: Plan, previous: Previous, st: _State, optional: int) -> dict:
+    """``Plan.replan``: every load and unload with its reason, the counts, restarts, GPUs, the from-scratch
+    plan's figures after the best matching, and ``moved_from`` for the next window."""
+    prev = previous.plan
+    present = set(st.inst.adapter_ids)
+    before_ids = {a for g in prev.gpus for a in g.adapters}
+    why_of = {st.inst.adapter_ids[e]: w for e, w in st.why.items()}
+    changes = []
+    matching = identity_matching(prev, plan)
+    for p, n in matching:
+        b = set(prev.gpus[p].adapters) if p is not None else set()
+        a = set(plan.gpus[n].adapters) if n is not None else set()
+        g = n if n is not None else p
+        for x in sorted(b - a):
+            changes.append({"adapter": x, "gpu": g, "op": "unload",
+                            "reason": "gone" if x not in present else why_of.get(x, "needed")})
+        for x in sorted(a - b):
+            changes.append({"adapter": x, "gpu": g, "op": "load",
+                            "reason": "new" if x not in before_ids else why_of.get(x, "needed")})
+    counts = {r: sum(c["reason"] == r for c in changes) for r in REASONS}
+    moved_from: dict[str, list[int]] = {}
+    for c in changes:
+        if c["op"] == "unload" and c["reason"] != "gone":
+            moved_from.setdefault(c["adapter"], []).append(int(c["gpu"]))
+    mine = churn(prev, plan, matching)
+    restarts = [n for p, n in matching if p is not None and n is not None and prev.gpus[p].adapters
+                and plan.gpus[n].adapters and needs_restart(prev.gpus[p].server, plan.gpus[n].server,
+                                                            len(plan.gpus[n].adapters))]
+    report = {
+        "previous": previous.path, "max_moves": st.config.max_moves,
+        "moves": {"total": len(changes), "loads": sum(c["op"] == "load" for c in changes),
+                  "unloads": sum(c["op"] == "unload" for c in changes), **counts},
+        "optional_budget_spent": optional,
+        "restarts": restarts,
+        "gpus": {"previous": prev.gpus_used, "now": plan.gpus_used,
+                 "started": [n for p, n in matching if p is None and n is not None],
+                 "released": [p for p, n in matching if n is None and p is not None]},
+        "changes": changes,
+        "moved_from": moved_from,
+        "churn": mine,
+    }
+    if scratch.infeasible:
+        report["from_scratch"] = {"infeasible": True, "reason": scratch.reason}
+    else:
+        m = best_matching(prev, scratch)
+        report["from_scratch"] = {"gpus": scratch.gpus_used, **churn(prev, scratch, m),
+                                  "matching": [[p, n] for p, n in m]}
+    return report

@@ -1,0 +1,243 @@
+"""Re-planning with a churn cap (``place --previous [--max-moves K]``) and its migration (migrate.json,
+migrate.sh): toy oracles (a GPU passes while its rates sum to at most ``CAP`` req/s), no simulation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lorapack.errors import SpecError
+from lorapack.placement import PlaceConfig, Plan, plan_from_dict
+from lorapack.placement.export import write_outputs
+from lorapack.replan.migrate import migration
+from lorapack.replan.replan import best_matching, churn, needs_restart
+from lorapack.server import ServerConfig
+from placement_helpers import LLAMA, instance, run_place, toy_kwargs
+
+CAP = 10.0  # req/s one GPU serves under the toy oracle
+EXAMPLES = Path(__file__).resolve().parents[1] / "src" / "lorapack" / "examples"
+
+
+def _place(inst, tmp: Path, name: str, verify: bool = False, **kw) -> tuple[Plan, Path]:
+    plan = run_place(inst, LLAMA, verify=verify, **toy_kwargs(CAP), **kw)
+    assert not plan.infeasible, plan.reason
+    out = tmp / name
+    prev = kw.get("previous")
+    write_outputs(plan, out, previous=plan_from_dict(json.loads((Path(prev) / "plan.json").read_text()))
+                  if prev else None)
+    return plan, out
+
+
+def _placed(plan: Plan) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for g, gp in enumerate(plan.gpus):
+        for a in gp.adapters:
+            out.setdefault(a, []).append(g)
+    return out
+
+
+def _gpu_rates(plan: Plan) -> list[float]:
+    return [sum(gp.rates_rps) for gp in plan.gpus]
+
+
+def test_no_rate_changes_moves_nothing(tmp_path) -> None:
+    inst = instance(np.linspace(0.2, 1.6, 30))
+    first, d0 = _place(inst, tmp_path, "w0")
+    again, d1 = _place(inst, tmp_path, "w1", previous=d0)
+    r = again.replan
+    assert r["moves"]["total"] == 0 and r["restarts"] == [] and r["gpus"]["now"] == first.gpus_used
+    assert [g.adapters for g in again.gpus] == [g.adapters for g in first.gpus]
+    assert [g.server for g in again.gpus] == [g.server for g in first.gpus]
+    mig = json.loads((d1 / "migrate.json").read_text())
+    assert mig["steps"] == [] and all(s["passes"] for s in mig["states"])
+
+
+def test_a_gpu_that_fails_sheds_its_hottest_adapters(tmp_path) -> None:
+    rates = np.full(30, 0.8)
+    first, d0 = _place(instance(rates), tmp_path, "w0")
+    g0 = first.gpus[0].adapters
+    rates2 = rates.copy()
+    ids = list(instance(rates).adapter_ids)
+    for a in g0[:2]:
+        rates2[ids.index(a)] = 3.0  # GPU 0 now fails (over CAP)
+    plan, _ = _place(instance(rates2), tmp_path, "w1", previous=d0)
+    r = plan.replan
+    assert r["failing_before"] == [0]
+    assert r["moves"]["needed"] >= 2 and r["moves"]["optional"] == 0 and r["moves"]["total"] == r["moves"]["needed"]
+    assert all(x <= CAP + 1e-9 for x in _gpu_rates(plan))
+    assert sorted(_placed(plan)) == sorted(ids) and all(len(v) == 1 for v in _placed(plan).values())
+    moved = {c["adapter"] for c in r["changes"]}
+    assert moved <= set(g0)  # only the failing GPU's adapters move
+    assert set(r["moved_from"]) == moved and all(v == [0] for v in r["moved_from"].values())
+
+
+def test_new_adapters_are_placed_and_gone_ones_removed(tmp_path) -> None:
+    rates = np.full(20, 0.8)
+    first, d0 = _place(instance(rates), tmp_path, "w0")
+    ids = [f"a{i:03d}" for i in range(5, 20)] + ["fresh1", "fresh2"]
+    plan, d1 = _place(instance(np.full(len(ids), 0.8), ids=ids), tmp_path, "w1", previous=d0)
+    r = plan.replan
+    assert r["moves"]["gone"] == 5 and r["moves"]["new"] == 2
+    assert r["moves"]["total"] == r["moves"]["gone"] + r["moves"]["new"]
+    assert sorted(_placed(plan)) == sorted(ids)
+    mig = json.loads((d1 / "migrate.json").read_text())
+    assert mig["loads"] == 2 and mig["unloads"] == 5
+    kinds = [s["kind"] for s in mig["steps"]]
+    # load before the route switch, drain before unloading
+    assert kinds.index("load") < kinds.index("route") < kinds.index("drain") < kinds.index("unload")
+
+
+def test_max_moves_caps_the_optional_moves(tmp_path) -> None:
+    first, d0 = _place(instance(np.full(30, 0.9)), tmp_path, "w0")
+    assert first.gpus_used == 3
+    low = instance(np.full(30, 0.3))  # everything fits on one GPU now
+    capped, _ = _place(low, tmp_path, "k0", previous=d0, max_moves=0)
+    assert capped.replan["moves"]["total"] == 0 and capped.gpus_used == 3
+    some, _ = _place(low, tmp_path, "k20", previous=d0, max_moves=20)
+    assert some.replan["moves"]["optional"] <= 20 and some.gpus_used == 2
+    free, _ = _place(low, tmp_path, "kinf", previous=d0)
+    assert free.gpus_used == 1 and free.replan["gpus"]["released"]
+    assert free.replan["from_scratch"]["gpus"] == 1
+    for p in (some, free):
+        assert all(x <= CAP + 1e-9 for x in _gpu_rates(p))
+
+
+def test_no_bouncing_in_the_next_window(tmp_path) -> None:
+    rates = np.full(30, 0.8)
+    ids = list(instance(rates).adapter_ids)
+    first, d0 = _place(instance(rates), tmp_path, "w0")
+    hot = first.gpus[0].adapters[0]
+    rates1 = rates.copy()
+    rates1[ids.index(hot)] = 4.0
+    second, d1 = _place(instance(rates1), tmp_path, "w1", previous=d0)
+    assert 0 not in _placed(second)[hot]
+    assert json.loads((d1 / "plan.json").read_text())["replan"]["moved_from"][hot] == [0]
+    assert second.gpus_used == 4  # no other GPU had room for it: a GPU was added
+    # it cools down again: the GPU added for it is released (a GPU saved), and GPU 0, which has room for it
+    # again, does not get it back
+    third, _ = _place(instance(rates), tmp_path, "w2", previous=d1)
+    assert third.gpus_used == 3 and third.replan["gpus"]["released"] == _placed(second)[hot]
+    assert 0 not in _placed(third)[hot] and third.replan["moves"]["optional"] == 2
+
+
+def test_verification_moves_are_made_and_reported(tmp_path) -> None:
+    from placement_helpers import ToyOracle
+
+    rates = np.full(30, 0.8)
+    first, d0 = _place(instance(rates), tmp_path, "w0")
+    strict = ToyOracle(CAP * 0.7)  # the verifier is stricter than the method's oracle: GPUs over 7 req/s fail
+    plan = run_place(instance(rates), LLAMA, previous=d0, verify=True,
+                     **{**toy_kwargs(CAP), "verify_oracle": strict, "search_oracle": strict})
+    assert not plan.infeasible, plan.reason
+    r = plan.replan
+    assert r["moves"]["verification"] > 0 and r["moves"]["total"] == r["moves"]["verification"]
+    assert plan.verification["passed"] and all(x <= 0.7 * CAP + 1e-9 for x in _gpu_rates(plan))
+
+
+def test_from_scratch_is_matched_to_the_previous_gpus() -> None:
+    def plan(*sets):
+        from lorapack.placement import GpuPlan
+
+        return Plan("x", "m", "g", [GpuPlan(adapters=list(s), weights=[1.0] * len(s),
+                                            server=ServerConfig(max_loras=max(len(s), 1))) for s in sets])
+
+    before = plan("ab", "cd", "ef")
+    after = plan("ef", "ab", "cdx")  # the same GPUs, listed in another order, and one new adapter
+    m = best_matching(before, after)
+    assert sorted(m) == [(0, 1), (1, 2), (2, 0)]
+    c = churn(before, after, m)
+    assert c["moves"] == 1 and c["gpus_started"] == 0 and c["restarts"] == 1  # cdx: --max-loras 2 -> 3
+
+
+def test_restart_rule() -> None:
+    old = ServerConfig(max_loras=8, max_lora_rank=16, max_cpu_loras=10)
+    assert not needs_restart(old, old.replace(max_cpu_loras=40), 12)
+    assert not needs_restart(old, old.replace(max_lora_rank=8), 12)
+    assert needs_restart(old, old.replace(max_lora_rank=32), 12)
+    assert needs_restart(old, old.replace(max_loras=16), 12)
+    assert not needs_restart(old, old.replace(max_loras=4), 4)  # both >= the 4 adapters: the same server
+
+
+def test_config_errors() -> None:
+    with pytest.raises(SpecError, match="--max-moves 3: expected with --previous"):
+        PlaceConfig(max_moves=3)
+    with pytest.raises(SpecError, match="--previous /nonexistent: expected a plan.json"):
+        PlaceConfig(previous=Path("/nonexistent"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--previous", "{bad}"], "--previous {bad}: expected a plan.json written by lorapack place"),
+    (["--max-moves", "-1", "--previous", "{prev}"], "--max-moves -1: expected an integer >= 0"),
+])
+def test_cli_errors_are_one_line(tmp_path, args, message) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    prev = tmp_path / "prev"
+    prev.mkdir()
+    (prev / "plan.json").write_text("[]")
+    args = [a.format(bad=bad, prev=prev) for a in args]
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "lorapack.cli", "place", str(EXAMPLES / "adapters.csv"), "--model",
+                        "llama-3.1-8b-instruct", "--no-verify", "--out", str(out), *args],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message.format(bad=bad, prev=prev) in lines[0] and "Traceback" not in p.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), k=st.one_of(st.none(), st.integers(0, 40)))
+def test_invariants(tmp_path_factory, seed, k) -> None:
+    """Every adapter placed once, as the plan says; optional moves <= K; the moves add up; every GPU passes;
+    nothing moved back onto a GPU it left in the previous window."""
+    rng = np.random.default_rng(seed)
+    tmp = tmp_path_factory.mktemp("inv")
+    n = int(rng.integers(8, 40))
+    rates = rng.uniform(0.05, 1.5, n)
+    p0, d0 = _place(instance(rates), tmp, "w0")
+    ids = list(instance(rates).adapter_ids)
+    plans = [p0]
+    d = d0
+    for w in range(2):
+        change = rng.random(len(ids)) < 0.3
+        rates = np.where(change, rng.uniform(0.05, 3.0, len(ids)), rates)
+        keep = rng.random(len(ids)) > 0.1
+        ids = [a for a, kk in zip(ids, keep, strict=True) if kk] + [f"n{w}_{i}" for i in range(int(rng.integers(0, 4)))]
+        rates = np.concatenate([rates[keep], rng.uniform(0.05, 1.5, len(ids) - int(keep.sum()))])
+        plan, d = _place(instance(rates, ids=ids), tmp, f"w{w + 1}", previous=d, max_moves=k)
+        r = plan.replan
+        placed = _placed(plan)
+        assert sorted(placed) == sorted(ids) and all(len(v) == 1 for v in placed.values())
+        assert plan.routes() == {a: [(g[0], 1.0)] for a, g in placed.items()}
+        m = r["moves"]
+        assert k is None or m["optional"] <= k
+        assert m["total"] == sum(m[x] for x in ("gone", "new", "needed", "optional", "verification"))
+        assert m["total"] == r["churn"]["moves"]
+        assert all(x <= CAP + 1e-9 for x in _gpu_rates(plan))
+        moved_before = plans[-1].replan.get("moved_from", {}) if plans[-1].replan else {}
+        for a, gs in moved_before.items():
+            for g in gs:
+                assert g not in placed.get(a, []), f"{a} bounced back to GPU {g}"
+        mig = migration(plans[-1], plan, {})
+        resident = {g: set(gp.adapters) for g, gp in enumerate(plans[-1].gpus)}
+        for s in mig["steps"]:
+            if s["kind"] == "load":
+                resident.setdefault(s["gpu"], set()).add(s["adapter"])
+            elif s["kind"] == "unload":
+                resident[s["gpu"]].discard(s["adapter"])
+            elif s["kind"] == "stop":
+                resident[s["gpu"]] = set()
+            elif s["kind"] in ("start", "restart"):
+                resident[s["gpu"]] = set(plan.gpus[s["gpu"]].adapters)
+        for g in range(max(len(plan.gpus), len(plans[-1].gpus))):
+            want = set(plan.gpus[g].adapters) if g < len(plan.gpus) else set()
+            assert resident.get(g, set()) == want, f"GPU {g}"
+        plans.append(plan)
