@@ -135,13 +135,16 @@ def _clean(params: dict) -> dict:
     return {k: (v if not isinstance(v, np.generic) else v.item()) for k, v in params.items()}
 
 
-def search(family: str, target: str, X: np.ndarray, y: np.ndarray, groups: np.ndarray, seed: int,
-           n_jobs: int = 1, max_rows: int | None = None, quick: bool = False) -> tuple[object, dict, float, str]:
+def search(family: str, target: str, X: np.ndarray, y: np.ndarray, groups: np.ndarray,
+           opts: TrainOptions) -> tuple[object, dict, float, str]:
     """HalvingGridSearchCV with GroupKFold(5) over N-series; returns (best estimator, params, cv score, note).
-    ``quick``: two candidates per family and 3 folds (smoke tests)."""
+    From ``opts``: the seed, ``n_jobs``, ``max_rows`` (SVM: ``SVM_MAX_ROWS`` instead) and ``quick`` (two
+    candidates per family and 3 folds: smoke tests)."""
     from sklearn.experimental import enable_halving_search_cv  # noqa: F401
     from sklearn.model_selection import GroupKFold, HalvingGridSearchCV
 
+    seed, n_jobs, quick = opts.seed, opts.n_jobs, opts.quick
+    max_rows = SVM_MAX_ROWS if family == "svm" else opts.max_rows
     note = ""
     if max_rows is not None and len(X) > max_rows:
         rng = np.random.default_rng([seed, 0x5B5])
@@ -275,9 +278,7 @@ def _train_profile(ds: Dataset, opts: TrainOptions, extra_sets: dict[str, Datase
             if progress:
                 progress(f"{ds.model}: {target} / {fam}")
             t0 = time.perf_counter()
-            cap = SVM_MAX_ROWS if fam == "svm" else opts.max_rows
-            est, params, cv, note = search(fam, target, X[~te], y[~te], g[~te], opts.seed, opts.n_jobs, cap,
-                                           opts.quick)
+            est, params, cv, note = search(fam, target, X[~te], y[~te], g[~te], opts)
             held = evaluate(target, y[te], predict_raw(est, target, X[te]), ratio[te])
             fams[fam] = FamilyResult(fam, params, cv, held, time.perf_counter() - t0, est, note)
         better = (lambda a, b: a > b) if target == "starved" else (lambda a, b: a < b)
