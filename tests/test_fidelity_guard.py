@@ -23,7 +23,7 @@ import pytest
 
 from lorapack.profile import find_profile
 from lorapack.realruns import guard_subset, read_runs
-from lorapack.validate import run_validation
+from lorapack.validate import ValidateOptions, run_validation
 
 LLAMA, QWEN = "llama-3.1-8b-instruct", "qwen-2.5-7b-instruct"
 # score -> (how much worse it may get, "up" if larger is worse / "down" if smaller is worse / "abs")
@@ -58,7 +58,7 @@ def _write(rows: list[dict], path: Path) -> Path:
 
 def _check(model: str, runs: Path, recorded: dict, workers: int = 0) -> None:
     prof = find_profile(model)
-    now = run_validation(runs, profile=prof, progress=False, workers=workers)["models"][model]
+    now = run_validation(runs, ValidateOptions(profile=prof, workers=workers), progress=False)["models"][model]
     bad = regressions(recorded, now)
     assert not bad, f"{model}: the twin lost fidelity on {runs.name}:\n  " + "\n  ".join(bad)
 

@@ -29,10 +29,8 @@ NOT_YET_CONVERTED = {
     "lorapack.calibrate.command.calibrate": 19,
     "lorapack.calibrate.command.refine_profile": 13,
     "lorapack.calibrate.refine.refine": 17,
-    "lorapack.surrogate.train.search": 9,
     "lorapack.sweep.estimate.estimate_sweep": 9,
     "lorapack.sweep.runner.run_sweep": 16,
-    "lorapack.validate.run_validation": 13,
 }
 
 

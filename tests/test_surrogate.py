@@ -212,10 +212,10 @@ def test_load_oracle_errors(trained: Path, tmp_path: Path) -> None:
 
 def test_validate_with_learned_engines(trained: Path, calibration: Path) -> None:
     data = calibration
-    from lorapack.validate import run_validation
+    from lorapack.validate import ValidateOptions, run_validation
 
     for engine in ("surrogate", "tree"):
-        rep = run_validation(data, engine=engine, models_dir=trained, progress=False)
+        rep = run_validation(data, ValidateOptions(engine=engine, models_dir=trained), progress=False)
         m = rep["models"][LLAMA.model]
         assert {"smape_throughput", "starved_agreement", "starved_f1", "n_out_of_range"} <= set(m)
         assert 0 <= m["starved_f1"] <= 1 and m["n_ok"] > 0

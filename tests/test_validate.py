@@ -12,7 +12,7 @@ import pytest
 from lorapack.errors import DataError, LorapackError, ProfileError
 from lorapack.profile import available_profiles, find_profile
 from lorapack.realruns import build_workload, parse_counts, read_runs, smape
-from lorapack.validate import run_validation
+from lorapack.validate import ValidateOptions, run_validation
 
 SUMMARY_KEYS = {"n_ok", "n_oom", "n_skipped", "smape_throughput", "smape_itl", "smape_ttft", "starved_agreement",
                 "oom_agreement", "starved_agreement_clear", "smape_throughput_2x", "smape_itl_2x"}
@@ -77,18 +77,18 @@ def test_read_runs_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="missing column.*max_loras"):
         read_runs(p)
     with pytest.raises(DataError, match="missing column"):
-        run_validation(p, workers=1, progress=False)
+        run_validation(p, ValidateOptions(workers=1), progress=False)
 
 
 def test_run_validation_argument_errors(tmp_path: Path) -> None:
     p = tmp_path / "x.csv"
     p.write_text("")
     with pytest.raises(LorapackError, match="--seeds 0"):
-        run_validation(p, seeds=0)
+        run_validation(p, ValidateOptions(seeds=0))
     with pytest.raises(LorapackError, match="--lengths"):
-        run_validation(p, lengths="gamma")
+        run_validation(p, ValidateOptions(lengths="gamma"))
     with pytest.raises(LorapackError, match="--limit -1"):
-        run_validation(p, limit=-1)
+        run_validation(p, ValidateOptions(limit=-1))
 
 
 def _row(**kw) -> dict:
@@ -123,14 +123,14 @@ def test_malformed_rows_raise_data_error_naming_the_row(tmp_path: Path, bad: dic
     row = _row(run_id="badrow", **bad)
     p = _write_rows(tmp_path / "runs.csv", list(row), [_row(run_id="fine"), row])
     with pytest.raises(DataError, match=match) as e:
-        run_validation(p, workers=1, progress=False)
+        run_validation(p, ValidateOptions(workers=1), progress=False)
     assert "badrow" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_unknown_gpu(tmp_path: Path) -> None:
     p = _write_rows(tmp_path / "runs.csv", list(_row()), [_row()])
     with pytest.raises(ProfileError, match="unknown gpu 'a100'"):
-        run_validation(p, gpu="a100", workers=1, progress=False)
+        run_validation(p, ValidateOptions(gpu="a100", workers=1), progress=False)
 
 
 def test_small_synthetic_rows(tmp_path: Path) -> None:
@@ -145,7 +145,7 @@ def test_small_synthetic_rows(tmp_path: Path) -> None:
             _row(run_id="other", model="mistral-7b")]
     names = list(rows[0])
     p = _write_rows(tmp_path / "runs.csv", names, rows)
-    rep = run_validation(p, workers=1, progress=False)
+    rep = run_validation(p, ValidateOptions(workers=1), progress=False)
     llama = rep["models"][LLAMA]
     assert (llama["n_ok"], llama["n_oom"], llama["n_skipped"]) == (1, 2, 0)
     assert llama["oom_agreement"] == pytest.approx(2 / 3)
@@ -187,7 +187,7 @@ def test_end_to_end_light_rows(calibration: Path, tmp_path: Path) -> None:
     other = {**light[0], "run_id": "unprofiled", "model": "llama-2-7b"}
     p = _write_rows(tmp_path / "runs.csv", names, light + oom + [other] + light)
     n = len(light) + 2
-    rep = run_validation(p, workers=1, limit=n, progress=False)  # the trailing copies are cut by limit
+    rep = run_validation(p, ValidateOptions(workers=1, limit=n), progress=False)  # the trailing copies are cut by limit
     models = rep["models"]
     assert set(models) == {LLAMA, QWEN, "llama-2-7b"}
     for m in (LLAMA, QWEN):
@@ -210,7 +210,7 @@ def test_end_to_end_light_rows(calibration: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_full_calibration_file(calibration: Path, calibration_sim, monkeypatch) -> None:
     monkeypatch.setattr("lorapack.validate.simulate_run", calibration_sim)  # the session's simulations (conftest)
-    rep = run_validation(calibration, workers=1, progress=False)
+    rep = run_validation(calibration, ValidateOptions(workers=1), progress=False)
     for m, n_ok, n_oom in ((LLAMA, 102, 21), (QWEN, 125, 0)):
         s = rep["models"][m]
         assert (s["n_ok"], s["n_oom"], s["n_skipped"]) == (n_ok, n_oom, 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -123,36 +124,63 @@ def macro_f1(confusion: dict[str, int]) -> float:
     return (f1(tp, fp, fn) + f1(tn, fn, fp)) / 2
 
 
-def run_validation(runs_path: str | Path | Sequence[str | Path], seeds: int = 1, gpu: str = "h100-64gb",
-                   lengths: str = "lognormal", workers: int = 0, limit: int | None = None, progress: bool = True,
-                   limits: Limits | None = None, profile: Profile | None = None, engine: str = "twin",
-                   models_dir: str | Path | None = None, bench: BenchOptions | None = None,
+@dataclass(frozen=True)
+class ValidateOptions:
+    """How ``run_validation`` scores runs: ``seeds`` simulations per run (averaged), the length law around a
+    row's pool means (``lengths``), worker processes (0 = all cores), the first ``limit`` rows only, the
+    resource ``limits`` every row is costed against (``guards``); the shipped profiles of ``gpu``, or
+    ``profile`` for its model's runs (the other rows are skipped); ``engine``: ``twin`` simulates, ``surrogate``
+    or ``tree`` asks the learned oracle (``models_dir``, default: the shipped models). Invalid values raise
+    ``SpecError`` naming the flag."""
+
+    seeds: int = 1
+    gpu: str = "h100-64gb"
+    lengths: str = "lognormal"
+    workers: int = 0
+    limit: int | None = None
+    limits: Limits | None = None
+    profile: Profile | None = None
+    engine: str = "twin"
+    models_dir: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise SpecError(f"--engine {self.engine}: expected one of {', '.join(ENGINES)}")
+        if self.models_dir is not None and self.engine == "twin":
+            raise SpecError("--models applies to --engine surrogate or tree")
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+            raise SpecError(f"--seeds {self.seeds}: expected an integer >= 1")
+        if self.lengths not in ("fixed", "lognormal"):
+            raise SpecError(f"--lengths {self.lengths}: expected fixed or lognormal")
+        check_limit(self.limit)
+        check_workers(self.workers)
+
+
+def run_validation(runs_path: str | Path | Sequence[str | Path], options: ValidateOptions | None = None,
+                   bench: BenchOptions | None = None, progress: bool = True,
                    log: Callable[[str], None] | None = None) -> dict:
-    """Simulate every row (x seeds) and compare. Returns ``{"models": {...}, "rows": {column: list},
+    """Simulate every row (x seeds) and compare, as ``options`` says (``ValidateOptions``; default: the shipped
+    profiles of h100-64gb, one seed, the twin). Returns ``{"models": {...}, "rows": {column: list},
     "skipped": [{"run_id", "model", "reason"}]}``: per model the row counts (``skip_reasons`` counts the
     skipped rows by reason) plus ``realruns.score_runs``; per row ``realruns.VALIDATE_COLUMNS``; ``"pooled"``:
     ``score_runs`` over the scored runs of every model together (None when only one model was scored).
 
-    ``profile``: score the runs of its model with it (``validate --profile FILE``; the other rows are
-    skipped), instead of the shipped profiles of ``gpu``. Every row is checked and costed (``guards``,
-    ``limits``) before any simulation starts; a file none of whose rows can be scored is a ``DataError``.
+    ``options.profile``: score the runs of its model with it (``validate --profile FILE``; the other rows are
+    skipped), instead of the shipped profiles of ``options.gpu``. Every row is checked and costed (``guards``,
+    ``options.limits``) before any simulation starts; a file none of whose rows can be scored is a
+    ``DataError``. ``progress``: show a progress bar over the simulations.
 
-    ``engine`` "surrogate" or "tree" asks the learned oracle (``models_dir``, default: the shipped models)
-    instead of simulating; every model's scores then add ``n_out_of_range``. All engines add ``starved_f1``.
+    ``options.engine`` "surrogate" or "tree" asks the learned oracle (``options.models_dir``, default: the
+    shipped models) instead of simulating; every model's scores then add ``n_out_of_range``. All engines add
+    ``starved_f1``.
 
     ``runs_path``: a runs CSV, or several files, among them ``vllm bench serve`` result JSONs (``.json``,
     ``lorapack.benchjson``): ``bench`` holds the server flags and adapter ranks those files do not record,
     ``log`` receives their notices (e.g. the uniform adapter draw), also returned as ``"notes"``."""
-    if engine not in ENGINES:
-        raise SpecError(f"--engine {engine}: expected one of {', '.join(ENGINES)}")
-    if models_dir is not None and engine == "twin":
-        raise SpecError("--models applies to --engine surrogate or tree")
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise SpecError(f"--seeds {seeds}: expected an integer >= 1")
-    if lengths not in ("fixed", "lognormal"):
-        raise SpecError(f"--lengths {lengths}: expected fixed or lognormal")
-    check_limit(limit)
-    check_workers(workers)
+    options = options or ValidateOptions()
+    seeds, gpu, lengths, workers = options.seeds, options.gpu, options.lengths, options.workers
+    limit, limits, profile, engine = options.limit, options.limits, options.profile, options.engine
+    models_dir = options.models_dir
     notes: list[str] = []
 
     def note(msg: str) -> None:

@@ -83,7 +83,7 @@ def validate(
 ) -> None:
     """Replay real benchmark runs through the twin (or ask a learned oracle) and score it (SMAPE, starvation
     agreement and macro-F1, OOM agreement)."""
-    from ..validate import run_validation
+    from ..validate import ValidateOptions, run_validation
 
     check_limit(limit)
     check_workers(workers)
@@ -101,9 +101,9 @@ def validate(
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          adapter_ranks=adapter_ranks)
     log = None if json_out else (lambda s: err_console.print(f"[dim]{escape(s)}[/dim]", highlight=False))
-    report = run_validation(runs, seeds=seeds, gpu=gpu or DEFAULT_GPU, lengths=lengths, workers=workers,
-                            limit=limit, progress=not json_out, limits=limits(force), profile=prof, engine=engine,
-                            models_dir=models, bench=bench, log=log)
+    options = ValidateOptions(seeds=seeds, gpu=gpu or DEFAULT_GPU, lengths=lengths, workers=workers, limit=limit,
+                              limits=limits(force), profile=prof, engine=engine, models_dir=models)
+    report = run_validation(runs, options, bench=bench, progress=not json_out, log=log)
     if out is not None:
         write_csv_atomic(out, report["rows"])
     if json_out:
