@@ -3,7 +3,10 @@ migrate.sh): toy oracles (a GPU passes while its rates sum to at most ``CAP`` re
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +18,7 @@ from hypothesis import strategies as st
 
 from lorapack.errors import SpecError
 from lorapack.placement import PlaceConfig, Plan, plan_from_dict
-from lorapack.placement.export import write_outputs
+from lorapack.placement.export import Endpoints, write_outputs
 from lorapack.replan.migrate import migration
 from lorapack.replan.replan import best_matching, churn, needs_restart
 from lorapack.server import ServerConfig
@@ -241,3 +244,165 @@ def test_invariants(tmp_path_factory, seed, k) -> None:
             want = set(plan.gpus[g].adapters) if g < len(plan.gpus) else set()
             assert resident.get(g, set()) == want, f"GPU {g}"
         plans.append(plan)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# migrate.sh against fake servers: the order of the calls, restarts through SERVER_CTL, stop and resume
+
+
+class _Fleet:
+    """Fake vLLM servers (runtime load / unload, /metrics, /health) and a fake vllm-router (/workers) on
+    loopback, one thread each; every call is logged as ``(port, method, path, body)``."""
+
+    def __init__(self, ports_from: dict[int, set[str]]) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.calls: list[tuple[int, str, str, dict | None]] = []
+        self.resident = ports_from
+        self.fail_unload = 0  # the next N unloads answer 500
+        fleet = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _reply(self, code: int, text: str = "{}") -> None:
+                data = text.encode()
+                self.send_response(code)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                port = self.server.server_address[1]
+                fleet.calls.append((port, "GET", self.path, None))
+                if self.path == "/metrics":
+                    return self._reply(200, 'vllm:lora_requests_info{max_lora="8",running_lora_adapters="",'
+                                            'waiting_lora_adapters=""} 1.7e9\n')
+                self._reply(200)
+
+            def do_DELETE(self) -> None:
+                fleet.calls.append((self.server.server_address[1], "DELETE", self.path, None))
+                self._reply(200)
+
+            def do_POST(self) -> None:
+                port = self.server.server_address[1]
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
+                fleet.calls.append((port, "POST", self.path, body))
+                if self.headers.get("Authorization") != "Bearer k" and self.path.startswith("/v1/"):
+                    return self._reply(401)
+                names = fleet.resident.setdefault(port, set())
+                if self.path == "/v1/load_lora_adapter":
+                    if body["lora_name"] in names:
+                        return self._reply(400, '{"message": "has already been loaded"}')
+                    names.add(body["lora_name"])
+                elif self.path == "/v1/unload_lora_adapter":
+                    if fleet.fail_unload:
+                        fleet.fail_unload -= 1
+                        return self._reply(500, '{"message": "boom"}')
+                    if body["lora_name"] not in names:
+                        return self._reply(404)
+                    names.discard(body["lora_name"])
+                self._reply(200)
+
+        self.servers = []
+        for port in ports_from:
+            srv = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            self.servers.append(srv)
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.shutdown()
+            s.server_close()
+
+
+def _free_ports(n: int) -> int:
+    import socket
+
+    from serve_helpers import free_port
+
+    while True:
+        base = free_port()
+        try:
+            for k in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
+
+
+def _gpu(adapters: str, max_loras: int):
+    from lorapack.placement import GpuPlan
+
+    ids = [f"x{c}" for c in adapters]
+    return GpuPlan(adapters=ids, weights=[1.0] * len(ids), ranks=[8] * len(ids), rates_rps=[0.5] * len(ids),
+                   incoming_tok_s=100.0 * len(ids),
+                   server=ServerConfig(max_loras=max_loras, max_lora_rank=8, max_cpu_loras=len(ids),
+                                       max_num_seqs=256, max_num_batched_tokens=8192))
+
+
+def test_migrate_sh_order_restart_and_resume(tmp_path) -> None:
+    """GPU 0 loses b and gains c (load, switch, drain, unload); GPU 1 restarts with another --max-loras (its
+    adapters on a temporary host meanwhile); GPU 2 is released (drained, stopped); GPU 3 is started. The first
+    unload fails: migrate.sh stops there and a second run resumes at that step."""
+    base = _free_ports(5)
+    router_port = base + 4
+    before = Plan("proposed", LLAMA.model, LLAMA.gpu, [_gpu("ab", 2), _gpu("de", 2), _gpu("f", 1)])
+    from lorapack.placement import GpuPlan
+
+    released = GpuPlan(adapters=[], weights=[], server=ServerConfig(max_loras=1))
+    after = Plan("proposed", LLAMA.model, LLAMA.gpu, [_gpu("ac", 2), _gpu("def", 1), released, _gpu("g", 1)])
+    after.replan = {"failing_before": [1]}
+    out = tmp_path / "w1"
+    write_outputs(after, out, endpoints=Endpoints(base_port=base), previous=before)
+    mig = json.loads((out / "migrate.json").read_text())
+    assert mig["restarts"] == [1] and mig["started"] == [3] and mig["released"] == [2]
+    assert [s for s in mig["states"] if s["passes"] is None], "the temporary host's state is named"
+    fleet = _Fleet({base + g: set(gp.adapters) for g, gp in enumerate(before.gpus)} | {router_port: set()})
+    ctl_log = tmp_path / "ctl.log"
+    ctl = tmp_path / "ctl.sh"
+    ctl.write_text(f'#!/usr/bin/env bash\necho "$1 $2 $3" >>{ctl_log}\n')
+    ctl.chmod(0o755)
+    env = {**os.environ, "VLLM_API_KEY": "k", "SERVER_CTL": str(ctl), "DRAIN_GRACE_S": "0",
+           "ROUTES_FILE": str(tmp_path / "live.json"), "LITELLM_CONFIG": str(tmp_path / "litellm.yaml"),
+           "ROUTER_URL": f"http://127.0.0.1:{router_port}", "HEALTH_TIMEOUT_S": "10"}
+    try:
+        # GPU 3 is not running: the fake fleet starts it when SERVER_CTL is called -- here it is simply there
+        fleet3 = _Fleet({base + 3: set(after.gpus[3].adapters)})
+        fleet.fail_unload = 1
+        p = subprocess.run(["bash", str(out / "migrate.sh")], capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 1 and "failed (unload" in p.stderr, p.stdout + p.stderr
+        k = int(re.search(r"step (\d+) failed", p.stderr).group(1))
+        loads_first = [c for c in fleet.calls if c[2] == "/v1/load_lora_adapter"]
+        p = subprocess.run(["bash", str(out / "migrate.sh")], capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert f"step {k}/" in p.stdout and p.stdout.count("done before") == k - 1
+        assert [c for c in fleet.calls if c[2] == "/v1/load_lora_adapter"] == loads_first  # nothing loaded twice
+        # end state: GPU 0 = {a, c}; the temporary copies on the hosts are gone again
+        assert fleet.resident[base] == {"xa", "xc"} and fleet3.resident[base + 3] == {"xg"}
+        assert ctl_log.read_text().split("\n")[:3] == [f"start 3 {base + 3}", f"stop 2 {base + 2}",
+                                                       f"restart 1 {base + 1}"]
+        assert json.loads((tmp_path / "live.json").read_text()) == json.loads((out / "routes.json").read_text())
+        assert yaml_load(tmp_path / "litellm.yaml") == yaml_load(out / "litellm.yaml")
+        calls = [(port - base, m, path) for port, m, path, _b in fleet.calls + fleet3.calls]
+        order = [c for c in calls if c[1] != "GET" or c[2] == "/metrics"]
+        i_load = order.index((0, "POST", "/v1/load_lora_adapter"))
+        i_route = next(i for i, c in enumerate(order) if c[0] == 4)
+        i_drain = order.index((0, "GET", "/metrics"))
+        i_unload = order.index((0, "POST", "/v1/unload_lora_adapter"))
+        assert i_load < i_route < i_drain < i_unload
+        deletes = [c for c in calls if c[1] == "DELETE"]
+        assert deletes and all(c[0] == 4 for c in deletes)  # vllm-router: servers that lost adapters re-registered
+    finally:
+        fleet.close()
+        with contextlib.suppress(NameError):
+            fleet3.close()
+
+
+def yaml_load(path: Path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())

@@ -17,7 +17,9 @@ GPU ``g`` runs on node ``g // gpus_per_node`` as device ``g % gpus_per_node``, p
 ``serve.sh`` starts every GPU of the plan, or only node ``$NODE``'s when that variable is set, each server in
 the background with its own log (``$LOG_DIR/gpu<g>.log``, default ``logs/`` beside the script), listening on
 ``$BIND_HOST`` (default ``0.0.0.0``); adapters without a ``path`` in the workload are loaded from
-``$LORA_DIR/<id>``. It waits on every server's PID: when one exits, it stops the others and exits non-zero;
+``$LORA_DIR/<id>``. ``RUNTIME_LORA=1`` exports ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (vLLM's runtime
+``/v1/load_lora_adapter``, what a re-plan's ``migrate.sh`` calls) and ``VLLM_API_KEY`` is passed on to the
+servers (vLLM reads it as ``--api-key``; not on the command line, where ``ps`` would show it). It waits on every server's PID: when one exits, it stops the others and exits non-zero;
 SIGINT / SIGTERM stop every server.
 """
 
@@ -237,7 +239,9 @@ def serve_script(plan: Plan, paths: dict[str, str] | None = None, endpoints: End
         "# the servers listen on); LOG_DIR (one log per server, gpu<g>.log); NODE=k (only node k's GPUs: GPU g",
         f"# runs on node g // {endpoints.gpus_per_node} as device g % {endpoints.gpus_per_node}; unset: every GPU).",
         "# The servers run in the background; when one exits, the others are stopped and serve.sh exits non-zero.",
-        "# Ctrl-C / SIGTERM stop every server.",
+        "# Ctrl-C / SIGTERM stop every server. RUNTIME_LORA=1: the servers accept vLLM's runtime adapter loading",
+        "# (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), which a re-plan's migrate.sh needs; VLLM_API_KEY: the servers'",
+        "# API key (vLLM reads it from the environment, as --api-key; keep it set with RUNTIME_LORA=1).",
         "set -u",
         f'MODEL="${{MODEL:-{model}}}"',
         'LORA_DIR="${LORA_DIR:-./adapters}"',
@@ -245,6 +249,13 @@ def serve_script(plan: Plan, paths: dict[str, str] | None = None, endpoints: End
         'LOG_DIR="${LOG_DIR:-$(dirname -- "$0")/logs}"',
         'NODE="${NODE:-all}"',
         f'STOP_GRACE_S="${{STOP_GRACE_S:-{STOP_GRACE_S}}}"  # seconds between SIGTERM and SIGKILL when stopping',
+        'RUNTIME_LORA="${RUNTIME_LORA:-0}"',
+        'if [ "$RUNTIME_LORA" = 1 ]; then',
+        '  export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True',
+        '  [ -n "${VLLM_API_KEY:-}" ] || echo "serve.sh: RUNTIME_LORA=1 without VLLM_API_KEY: anyone who reaches the'
+        ' servers can load adapters" >&2',
+        'fi',
+        '[ -z "${VLLM_API_KEY:-}" ] || export VLLM_API_KEY',
         'mkdir -p -- "$LOG_DIR" || exit 1',
         _SERVE_HELPERS,
     ]

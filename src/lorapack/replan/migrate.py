@@ -75,8 +75,8 @@ def migration(previous: Plan, plan: Plan, paths: Mapping[str, str], endpoints: E
     endpoints = replace(endpoints, devices_per_server=plan_measured(plan)[2])
     n = max(len(previous.gpus), len(plan.gpus))
 
-    def url(g: int) -> str:
-        return endpoints.url(g, n)
+    def url(g: int) -> str:  # the server's address (its OpenAI routes are under /v1)
+        return server_url(endpoints.url(g, n))
 
     matching = identity_matching(previous, plan)
     started = [q for p, q in matching if p is None and q is not None]
@@ -144,28 +144,29 @@ def migration(previous: Plan, plan: Plan, paths: Mapping[str, str], endpoints: E
         add("stop", gpu=g, url=url(g))
     current = switch
     restart_states = []
+    last_route = switch_step
     for x in restarting:
         add("drain", gpu=x, url=url(x), adapters=list(previous.gpus[x].adapters))
-        first = add("restart", gpu=x, url=url(x), args=serve_args(plan, x, dict(paths), endpoints))
+        add("restart", gpu=x, url=url(x), args=serve_args(plan, x, dict(paths), endpoints))
         add("health", gpu=x, url=url(x))
         later = set(restarting[restarting.index(x) + 1:])  # still to restart: their adapters stay away
         back = {**current}
         for a in plan.gpus[x].adapters:
             if not any(t["gpu"] in later for t in final[a]):
                 back[a] = final[a]
-        add("route", routes=back, note=f"GPU {x}'s adapters back to it")
+        last_route = add("route", routes=back, note=f"GPU {x}'s adapters back to it")
         current = back
         mine = temp.get(x, [])
-        for h in sorted({h for _a, h in mine}):
+        hosts = sorted({h for _a, h in mine})
+        for h in hosts:
             names = [a for a, hh in mine if hh == h]
             add("drain", gpu=h, url=url(h), adapters=names)
             for a in names:
                 add("unload", gpu=h, url=url(h), adapter=a)
-        restart_states.append({"from_step": first - 1, "to_step": len(steps), "gpus": sorted({h for _a, h in mine}),
-                               "passes": None if mine else True,
-                               "why": (f"GPU {x} restarts: GPU(s) {sorted({h for _a, h in mine})} carry its adapters "
-                                       "meanwhile, a state nobody verified") if mine else
-                                      f"GPU {x} restarts: its adapters are served by their other GPUs"})
+        if mine:  # the temporary hosts carry GPU x's traffic from the switch until its adapters are routed back
+            restart_states.append({"from_step": switch_step, "to_step": last_route, "gpus": hosts, "passes": None,
+                                   "why": f"GPU {x} restarts: GPU(s) {', '.join(map(str, hosts))} carry its "
+                                          "adapters meanwhile, a state nobody verified"})
     r = plan.replan or {}
     failing = list(r.get("failing_before") or [])
     verified = bool(plan.verification) and bool(plan.verification.get("passed"))
@@ -173,7 +174,7 @@ def migration(previous: Plan, plan: Plan, paths: Mapping[str, str], endpoints: E
                "why": ("the previous plan's traffic under the new rates: GPU(s) " + ", ".join(map(str, failing))
                        + " fail the TEST (the reason for the moves)") if failing else
                       "the previous plan's traffic: its GPUs pass under the new rates (the re-plan's TEST)"},
-              {"from_step": switch_step, "to_step": len(steps), "gpus": [], "passes": True,
+              {"from_step": last_route, "to_step": len(steps), "gpus": [], "passes": True,
                "why": "the new plan's traffic: " + ("verified by the twin" if verified else
                                                    "tested by the method's oracle (not verified: --no-verify)")}]
     states[1:1] = restart_states
