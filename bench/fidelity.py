@@ -31,7 +31,13 @@ from pathlib import Path
 
 from lorapack import __version__
 from lorapack.calibrate import default_data_dir
-from lorapack.calibrate.command import DEFAULT_MAX_EVALS, DEFAULT_MAX_WALL_S, refine_profile, validate_profile
+from lorapack.calibrate.command import (
+    DEFAULT_MAX_EVALS,
+    DEFAULT_MAX_WALL_S,
+    RefinementOptions,
+    refine_profile,
+    validate_profile,
+)
 from lorapack.calibrate.priors import CALIBRATION_CSV, fit_priors_from, lora_overhead_points
 from lorapack.calibrate.refine import DEFAULT_FREE, FREE_PARAMS, GROUP_BIAS_WEIGHT
 from lorapack.profile import Profile, find_profile, load_profile_file
@@ -92,9 +98,9 @@ def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_eva
             _write_rows(runs_csv, train)
             prior = fit_priors_from(data_dir / "profiling", runs_csv, model)
         tag = f"  [held out: {g}] "
-        prof, prov = refine_profile(prior, train, anchors=anchors, seeds=seeds, max_evals=max_evals,
-                                    max_wall_s=max_wall_s, workers=workers, free=free,
-                                    group_weight=group_weight,
+        refinement = RefinementOptions(seeds=len(seeds), workers=workers, free=free, max_evals=max_evals,
+                                       max_wall_s=max_wall_s, group_weight=group_weight)
+        prof, prov = refine_profile(prior, train, anchors, refinement,
                                     log=lambda s, tag=tag: print(tag + s, file=sys.stderr, flush=True))
         scores, table = validate_profile(prof, test, seeds=seeds, workers=workers)
         scores.pop("by_group", None)

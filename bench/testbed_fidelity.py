@@ -48,7 +48,7 @@ def main() -> int:
     if args.rank_noise is not None:
         return rank_noise(args)
 
-    from lorapack.calibrate.command import calibrate
+    from lorapack.calibrate.command import CalibrateOptions, RefinementOptions, calibrate
     from lorapack.measure import experiments as ex
     from lorapack.measure import proof as fd
     from lorapack.measure.probe import Http
@@ -79,7 +79,7 @@ def main() -> int:
                     say=lambda s: print(f"[measure {tag}] {s}", flush=True))
             wall = time.monotonic() - t0
             prof_path = work / f"profile-{tag}.yaml"
-            calibrate(mdir, runs=[mdir / "runs.csv"], out=prof_path, workers=1,
+            calibrate(mdir, [mdir / "runs.csv"], prof_path, CalibrateOptions(refinement=RefinementOptions(workers=1)),
                       log=lambda s: print(f"[calibrate {tag}] {s}", flush=True))
             return mdir, load_profile_file(prof_path), wall
 

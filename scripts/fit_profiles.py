@@ -28,7 +28,13 @@ import time
 from pathlib import Path
 
 from lorapack.calibrate import default_data_dir
-from lorapack.calibrate.command import DEFAULT_MAX_EVALS, calibrate, default_profile_name
+from lorapack.calibrate.command import (
+    DEFAULT_MAX_EVALS,
+    CalibrateOptions,
+    RefinementOptions,
+    calibrate,
+    default_profile_name,
+)
 from lorapack.calibrate.priors import CALIBRATION_CSV
 from lorapack.calibrate.refine import DEFAULT_FREE, GROUP_BIAS_WEIGHT
 from lorapack.errors import LorapackError
@@ -72,12 +78,13 @@ def main(argv: list[str] | None = None) -> int:
             if not args.from_priors and start_file.is_file():
                 start = load_profile_file(start_file)
                 print(f"{model}: refinement starts from {start_file}", file=sys.stderr, flush=True)
-            s = calibrate(data_dir / "profiling", model, gpu=GPU, vllm_version=VLLM_VERSION,
-                          runs=data_dir / CALIBRATION_CSV, out=out, report=args.report_dir / model,
-                          workers=args.workers, max_evals=DEFAULT_MAX_EVALS, max_wall_s=args.max_minutes * 60.0,
-                          start=start, free=settings.get("free", DEFAULT_FREE),
-                          group_weight=settings.get("group_weight", GROUP_BIAS_WEIGHT),
-                          log=lambda msg: print(msg, file=sys.stderr, flush=True))
+            refinement = RefinementOptions(workers=args.workers, max_evals=DEFAULT_MAX_EVALS,
+                                           max_wall_s=args.max_minutes * 60.0, start=start,
+                                           free=settings.get("free", DEFAULT_FREE),
+                                           group_weight=settings.get("group_weight", GROUP_BIAS_WEIGHT))
+            options = CalibrateOptions(model=model, gpu=GPU, vllm_version=VLLM_VERSION, refinement=refinement)
+            s = calibrate(data_dir / "profiling", data_dir / CALIBRATION_CSV, out, options,
+                          report=args.report_dir / model, log=lambda msg: print(msg, file=sys.stderr, flush=True))
             v = s["validation"]["refined"]
             ref = ", ".join(f"{k}={f['refined']:.4g}" for k, f in s["refinement"]["free"].items())
             print(f"{out}: {ref}\n  validation: SMAPE thr {v['smape_throughput']:.2f} % ITL {v['smape_itl']:.2f} % "

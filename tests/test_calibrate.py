@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from data_helpers import mirror_data_dir, rewrite_csv, run_main
-from lorapack.calibrate.command import calibrate
+from lorapack.calibrate.command import CalibrateOptions, RefinementOptions, calibrate
 from lorapack.calibrate.priors import CALIBRATION_CSV
 from lorapack.cli import app
 from lorapack.profile import find_profile, load_profile_file
@@ -144,7 +144,7 @@ def test_calibrate_priors_only_writes_valid_profile(data_dir: Path, tmp_path: Pa
 
 def test_calibrate_report_plots(data_dir: Path, tmp_path: Path) -> None:
     rep = tmp_path / "report"
-    s = calibrate(data_dir / "profiling", LLAMA, out=tmp_path / "p.yaml", report=rep)
+    s = calibrate(data_dir / "profiling", out=tmp_path / "p.yaml", options=CalibrateOptions(model=LLAMA), report=rep)
     names = set(s["report"])
     assert {"memory.png", "decode_step.png", "prefill.png", "lora_overhead.png", "loading.png",
             "scheduler.png"} <= names
@@ -165,8 +165,8 @@ def test_calibrate_refinement_smoke(data_dir: Path, tmp_path: Path) -> None:
         w.writerows(light + oom)
     assert len(light) >= 3
     out = tmp_path / "refined.yaml"
-    s = calibrate(data_dir / "profiling", LLAMA, runs=runs, out=out, max_evals=(0, 2), free=["e0", "cv"],
-                  workers=1)
+    refinement = RefinementOptions(max_evals=(0, 2), free=("e0", "cv"), workers=1)
+    s = calibrate(data_dir / "profiling", runs, out, CalibrateOptions(model=LLAMA, refinement=refinement))
     p = load_profile_file(out)
     ref = p.provenance["refinement"]
     assert set(ref["free"]) == {"e0", "cv"} and p.runs_lengths is not None
@@ -330,7 +330,8 @@ def test_refine_passes_residual_weights(monkeypatch: pytest.MonkeyPatch) -> None
     prof = find_profile(LLAMA)
     for kw, want in (({}, (1.0, rf.GROUP_BIAS_WEIGHT)), ({"itl_weight": 2.5, "group_weight": 6.0}, (2.5, 6.0))):
         seen.clear()
-        rf.refine({LLAMA: prof}, {LLAMA: prof}, rows, lambda _p: list(preds), free=["e0"], max_nfev=1, **kw)
+        rf.refine({LLAMA: prof}, {LLAMA: prof}, rows, lambda _p: list(preds),
+                  rf.FitOptions(free=("e0",), max_nfev=1, **kw))
         assert seen and set(seen) == {want}
 
 

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
 from ..benchjson import BenchOptions, is_bench_json
-from ..checks import check_output_dir, check_output_file
+from ..checks import check_output_dir, check_output_file, check_workers
 from ..errors import DataError
 from ..profile import FrontendModel, Priors, Profile, save_profile
 from ..realruns import (
@@ -40,6 +42,7 @@ from .refine import (
     FREE_PARAMS,
     GROUP_BIAS_WEIGHT,
     Evaluator,
+    FitOptions,
     param_value,
     refine,
     with_values,
@@ -120,19 +123,95 @@ def _stage_rows(rows: list[dict], stride: int) -> list[dict]:
     return ok[::stride] if len(ok) >= 3 * stride * MIN_OK_RUNS else ok
 
 
-def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] = (), seeds: Sequence[int] = (0,),
-                   lengths: str = "lognormal", free: Sequence[str] = DEFAULT_FREE,
-                   max_evals: tuple[int, int] = DEFAULT_MAX_EVALS, max_wall_s: float = DEFAULT_MAX_WALL_S,
-                   workers: int = 0, start: Profile | None = None, itl_weight: float = 1.0,
-                   group_weight: float = GROUP_BIAS_WEIGHT,
+@dataclass(frozen=True)
+class RefinementOptions:
+    """How ``calibrate`` refines a profile's step-time constants against end-to-end runs and validates it:
+    ``seeds`` simulations per run, the ``lengths`` law the runs are rebuilt with (lognormal|fixed), ``workers``
+    processes (0 = all cores); the ``free`` constants; ``max_evals``: the least-squares evaluations of the two
+    stages (subset, all runs); ``max_wall_s``: the wall-time cap of both stages together; ``itl_weight``,
+    ``group_weight``: weights of the ITL and group-bias residuals (``refine.data_residuals``); ``start``: a
+    profile whose free constants start the search instead of the priors (which stay the regularisation), e.g.
+    the shipped profile when re-fitting after a change of the model. Invalid values raise ``DataError`` naming
+    the flag."""
+
+    seeds: int = 1
+    lengths: str = "lognormal"
+    workers: int = 0
+    free: tuple[str, ...] = DEFAULT_FREE
+    max_evals: tuple[int, int] = DEFAULT_MAX_EVALS
+    max_wall_s: float = DEFAULT_MAX_WALL_S
+    itl_weight: float = 1.0
+    group_weight: float = GROUP_BIAS_WEIGHT
+    start: Profile | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "free", tuple(self.free))
+        object.__setattr__(self, "max_evals", tuple(self.max_evals))
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+            raise DataError(f"--seeds {self.seeds}: expected an integer >= 1")
+        if self.lengths not in ("fixed", "lognormal"):
+            raise DataError(f"--lengths {self.lengths}: expected fixed or lognormal")
+        check_workers(self.workers)
+        for name, w in (("--itl-weight", self.itl_weight), ("--group-weight", self.group_weight)):
+            if not (isinstance(w, int | float) and w >= 0 and w < float("inf")):
+                raise DataError(f"{name} {w}: expected a finite number >= 0")
+        bad = [n for n in self.free if n not in FREE_PARAMS]
+        if bad:
+            raise DataError(f"--free {','.join(bad)}: unknown; expected names among {', '.join(FREE_PARAMS)}")
+        ev = self.max_evals
+        if len(ev) != 2 or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in ev):
+            raise DataError(f"--max-evals {','.join(map(str, ev))}: expected two integers >= 0, e.g. 40,20")
+        w = self.max_wall_s
+        if isinstance(w, bool) or not isinstance(w, int | float) or not (math.isfinite(w) and w > 0):
+            raise DataError(f"max_wall_s {w}: expected a positive number of seconds (--max-minutes x 60)")
+        if self.start is not None and not isinstance(self.start, Profile):
+            raise DataError(f"start {self.start!r}: expected a lorapack.profile.Profile")
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    """Settings of ``calibrate``: what the profile is of and how it is refined.
+
+    ``model``: the model key (needed for a research profiling directory; for a measurement directory of
+    ``lorapack measure``, a new name for the measured model); ``gpu``, ``vllm_version``: recorded in the profile
+    (default h100-64gb and 0.8.5; a measurement: its device, and the server's version, which ``vllm_version``
+    must match); ``max_model_len``: the server's context limit (models lorapack does not know);
+    ``refinement``: ``RefinementOptions`` (default ones: for a measurement directory the default free constants
+    are ``MEASURED_FREE``)."""
+
+    model: str | None = None
+    gpu: str | None = None
+    vllm_version: str | None = None
+    max_model_len: int | None = None
+    refinement: RefinementOptions = field(default_factory=RefinementOptions)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.refinement, RefinementOptions):
+            raise DataError(f"refinement {self.refinement!r}: expected a RefinementOptions")
+        mml = self.max_model_len
+        if mml is not None and (isinstance(mml, bool) or not isinstance(mml, int) or mml < 1):
+            raise DataError(f"--max-model-len {mml}: expected an integer >= 1")
+
+
+def refine_profile(prior: Profile, rows: list[dict], anchors: Sequence[dict] = (),
+                   options: RefinementOptions | None = None,
                    log: Callable[[str], None] | None = None) -> tuple[Profile, dict]:
-    """Refine ``prior``'s step-time constants against ``rows`` (one model); returns (profile, provenance).
+    """Refine ``prior``'s step-time constants against ``rows`` (one model) as ``options`` says
+    (``RefinementOptions``); returns (profile, provenance). ``anchors``: LoRA overhead runs of the profiling
+    data (``refine.lora_anchor_residuals``).
 
     Stage 1 searches on every third run, stage 2 polishes on all runs; each stops at a tolerance, its
     evaluation budget (``max_evals``) or the wall-time cap (``max_wall_s`` for both stages together). The
     provenance says, per stage, how it ended; ``refined`` is False when no constant moved (e.g. a zero
-    budget), and the log says so. ``start``: where the search begins (default: the priors). ``itl_weight``,
-    ``group_weight``: weights of the ITL and group-bias residuals (``refine.data_residuals``)."""
+    budget), and the log says so. ``options.start``: a profile whose free constants start the search (default:
+    the priors)."""
+    options = options or RefinementOptions()
+    seeds, lengths, workers, free = list(range(options.seeds)), options.lengths, options.workers, options.free
+    max_evals, max_wall_s = options.max_evals, options.max_wall_s
+    itl_weight, group_weight = options.itl_weight, options.group_weight
+    start = None
+    if options.start is not None:
+        start = with_values(prior, {n: param_value(n, options.start) for n in free})
     import time
 
     model = prior.model
@@ -154,9 +233,9 @@ def refine_profile(prior: Profile, rows: list[dict], *, anchors: Sequence[dict] 
             log(f"{model}: refinement stage {stage}: {len(sub)} runs, up to {nfev} least-squares evaluations "
                 f"or {cap / 60:.1f} min")
         with Evaluator(sub, seeds=seeds, lengths=lengths, workers=workers) as ev:
-            res = refine({model: prof}, {model: prior}, sub, ev, free=free, anchors={model: anchors},
-                         itl_weight=itl_weight, group_weight=group_weight, max_nfev=nfev, max_wall_s=cap,
-                         log=log)[model]
+            fit = FitOptions(free=free, itl_weight=itl_weight, group_weight=group_weight, max_nfev=nfev,
+                             max_wall_s=cap)
+            res = refine({model: prof}, {model: prior}, sub, ev, fit, anchors={model: anchors}, log=log)[model]
         stages.append({"runs": len(sub), "stride": stride, "max_evaluations": nfev, "evaluations": res.n_evals,
                        "iterations": res.iterations, "converged": res.converged, "wall_s": res.wall_s,
                        "cost_start": res.cost_start, "cost_end": res.cost_end, "status": res.status,
@@ -236,30 +315,29 @@ def fit_frontend(table: Sequence[RunComparison], max_ttft_ms: float = FRONTEND_M
         "iqr_ms": [float(np.percentile(d, 25)), float(np.percentile(d, 75))] if d else None}
 
 
-def calibrate(profiling: str | Path, model: str | None = None, gpu: str | None = None, vllm_version: str | None = None,
-              runs: str | Path | Sequence[str | Path] | None = None, out: str | Path | None = None,
-              report: str | Path | None = None,
-              seeds: int = 1, lengths: str = "lognormal", workers: int = 0,
-              max_evals: tuple[int, int] = DEFAULT_MAX_EVALS, free: Sequence[str] = DEFAULT_FREE,
-              max_model_len: int | None = None, max_wall_s: float = DEFAULT_MAX_WALL_S,
-              start: Profile | None = None, itl_weight: float = 1.0, group_weight: float = GROUP_BIAS_WEIGHT,
-              log: Callable[[str], None] | None = None, bench: BenchOptions | None = None) -> dict:
+def calibrate(profiling: str | Path, runs: str | Path | Sequence[str | Path] | None = None,
+              out: str | Path | None = None, options: CalibrateOptions | None = None,
+              report: str | Path | None = None, bench: BenchOptions | None = None,
+              log: Callable[[str], None] | None = None) -> dict:
     """The whole ``lorapack calibrate`` procedure; returns a summary (also recorded in the profile).
+
+    ``options``: ``CalibrateOptions`` (the model, GPU and vLLM version the profile is of; how it is refined).
+    ``out``: the profile YAML (default: ``<gpu>__vllm-<version>__<model>.yaml`` in the current directory);
+    ``report``: a directory for the fit-report plots.
 
     ``runs``: a runs CSV, or several runs files among which ``vllm bench serve`` result JSONs (``bench``: the
     server flags and adapter ranks they do not record, ``lorapack.benchjson``). The priors' LoRA fit reads
     the gauges of a single runs CSV; JSON runs have none, so with them it uses the profiling data only.
 
-    ``start``: a profile whose step-time constants (the free ones) start the refinement instead of the priors,
-    e.g. the shipped profile when re-fitting after a change of the model; the priors stay the regularisation.
-    ``itl_weight``, ``group_weight``: weights of the ITL and group-bias residuals of the refinement.
-
-    ``profiling`` is a research profiling directory (``shared/data/profiling`` layout: ``model`` needed, ``gpu``
-    and ``vllm_version`` default to h100-64gb and 0.8.5) or a measurement directory of ``lorapack measure``
-    (``measure.json``: model, device and version come from the server; ``model``/``gpu`` rename them; the
-    default free constants are ``MEASURED_FREE``)."""
+    ``profiling`` is a research profiling directory (``shared/data/profiling`` layout: ``options.model``
+    needed, ``gpu`` and ``vllm_version`` default to h100-64gb and 0.8.5) or a measurement directory of
+    ``lorapack measure`` (``measure.json``: model, device and version come from the server; ``model``/``gpu``
+    rename them; the default free constants are ``MEASURED_FREE``)."""
     from ..measure.fit import fit_measured, is_measure_dir, lora_anchors
 
+    options = options or CalibrateOptions()
+    model, gpu, vllm_version = options.model, options.gpu, options.vllm_version
+    refinement = options.refinement
     profiling = Path(profiling)
     measured = is_measure_dir(profiling)
     rename = None
@@ -273,24 +351,16 @@ def calibrate(profiling: str | Path, model: str | None = None, gpu: str | None =
                             "measurement directory has its fits in the profile's provenance")
         rename = model if model is not None and model != measured_prior.model else None
         model, gpu, vllm_version = measured_prior.model, measured_prior.gpu, measured_prior.vllm_version
-        if list(free) == list(DEFAULT_FREE):
-            free = MEASURED_FREE
+        if list(refinement.free) == list(DEFAULT_FREE):
+            refinement = dataclasses.replace(refinement, free=MEASURED_FREE)
     else:
         if model is None:
             raise DataError(f"--profiling {profiling}: a research profiling directory needs --model (a "
                             "measurement directory of lorapack measure names its own)")
         gpu = gpu or "h100-64gb"
         vllm_version = vllm_version or "0.8.5"
-    if seeds < 1:
-        raise DataError(f"--seeds {seeds}: expected an integer >= 1")
-    if lengths not in ("fixed", "lognormal"):
-        raise DataError(f"--lengths {lengths}: expected fixed or lognormal")
-    for name, w in (("--itl-weight", itl_weight), ("--group-weight", group_weight)):
-        if not (isinstance(w, int | float) and w >= 0 and w < float("inf")):
-            raise DataError(f"{name} {w}: expected a finite number >= 0")
-    bad = [n for n in free if n not in FREE_PARAMS]
-    if bad:
-        raise DataError(f"--free {','.join(bad)}: unknown; expected names among {', '.join(FREE_PARAMS)}")
+    seeds, lengths, workers, free = refinement.seeds, refinement.lengths, refinement.workers, refinement.free
+    start = refinement.start
     out_path = Path(out) if out is not None else Path.cwd() / default_profile_name(rename or model, gpu, vllm_version)
     # outputs are checked before the (long) fits: a bad path is an error now, not after the work
     check_output_file(out_path, "--out")
@@ -308,7 +378,7 @@ def calibrate(profiling: str | Path, model: str | None = None, gpu: str | None =
         prior = measured_prior
     else:
         prior = fit_priors_from(profiling, priors_csv, model, gpu=gpu, vllm_version=vllm_version,
-                                max_model_len=max_model_len)
+                                max_model_len=options.max_model_len)
     prov: dict[str, Any] = dict(prior.provenance)
     prov["generated_by"] = "lorapack calibrate (lorapack.calibrate.command.calibrate)"
     prov["stage"] = "priors (docs/calibration.md)"
@@ -322,12 +392,7 @@ def calibrate(profiling: str | Path, model: str | None = None, gpu: str | None =
     if rows is not None:
         seed_list = list(range(seeds))
         anchors = lora_anchors(profiling) if measured else lora_overhead_points(profiling, model)
-        begin = None
-        if start is not None:
-            begin = with_values(prior, {n: param_value(n, start) for n in free})
-        prof, p_ref = refine_profile(prior, rows, anchors=anchors, seeds=seed_list, lengths=lengths, free=free,
-                                     max_evals=max_evals, max_wall_s=max_wall_s, workers=workers, start=begin,
-                                     itl_weight=itl_weight, group_weight=group_weight, log=log)
+        prof, p_ref = refine_profile(prior, rows, anchors, refinement, log=log)
         if log:
             log(f"{model}: validating on {len(rows)} runs (priors only, then refined)")
         s_prior, table_prior = validate_profile(prior, rows, seeds=seed_list, lengths=lengths, workers=workers)

@@ -241,33 +241,58 @@ def lora_anchor_residuals(profile: Profile, anchors: Sequence[dict]) -> np.ndarr
     return np.where(np.isfinite(r), r, 1.0) / RESIDUAL_SCALE
 
 
+@dataclass(frozen=True)
+class FitOptions:
+    """Settings of one least-squares fit (``refine``): the ``free`` constants it moves; the weights of the
+    regularisation toward the priors (``prior_weight``), of every run's ITL residual (``itl_weight``), of each
+    run group's mean throughput error (``group_weight``, see ``data_residuals``) and of the LoRA-overhead
+    anchors (``anchor_weight``); the stops: ``max_nfev`` residual evaluations, ``max_wall_s`` seconds (None: no
+    cap), ``ftol`` (relative cost change) and ``xtol`` (relative step); ``diff_step``: the finite-difference step
+    of the Jacobian, in prior standard deviations. Unknown free constants raise ``DataError``."""
+
+    free: tuple[str, ...] = DEFAULT_FREE
+    prior_weight: float = 1.0
+    itl_weight: float = 1.0
+    group_weight: float = GROUP_BIAS_WEIGHT
+    anchor_weight: float = 1.0
+    max_nfev: int = 40
+    diff_step: float = 0.1
+    max_wall_s: float | None = None
+    ftol: float = 1e-3
+    xtol: float = 1e-3
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "free", tuple(self.free))
+        for name in self.free:
+            if name not in FREE_PARAMS:
+                raise DataError(f"unknown free parameter '{name}': expected one of {', '.join(FREE_PARAMS)}")
+
+
 def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Sequence[dict],
-           evaluator: Callable[[dict[str, Profile]], list[RunPrediction | None]], free: Sequence[str] = DEFAULT_FREE,
-           start: dict[str, dict[str, float]] | None = None, prior_weight: float = 1.0,
-           itl_weight: float = 1.0, group_weight: float = GROUP_BIAS_WEIGHT,
-           anchors: dict[str, Sequence[dict]] | None = None, anchor_weight: float = 1.0,
-           max_nfev: int = 40, diff_step: float = 0.1, max_wall_s: float | None = None,
-           ftol: float = 1e-3, xtol: float = 1e-3,
+           evaluator: Callable[[dict[str, Profile]], list[RunPrediction | None]], fit: FitOptions | None = None,
+           start: dict[str, dict[str, float]] | None = None, anchors: dict[str, Sequence[dict]] | None = None,
            log: Callable[[str], None] | None = None) -> dict[str, RefineResult]:
-    """Fit the ``free`` constants of every model in ``profiles`` to ``rows`` (one independent fit per model).
+    """Fit the ``fit.free`` constants of every model in ``profiles`` to ``rows`` (one independent fit per model;
+    ``fit``: ``FitOptions``, default ``FitOptions()``).
 
     Residuals per model: log throughput and ITL errors of every ok run (5 % = 1 unit, ``soft_l1`` loss; ITL
-    times ``itl_weight``), each run group's mean log throughput error (times ``group_weight``, see
-    ``data_residuals``), the log errors of the directly measured LoRA overheads ``anchors`` (profiling runs;
-    no simulation needed), and ``(value - prior) / sd`` for every free constant, the prior being its value in ``priors[model]``.
-    ``evaluator`` simulates rows for a dict of profiles (see ``Evaluator``). ``start`` (per model) overrides
-    the starting point (default: the values in ``profiles``).
+    times ``fit.itl_weight``), each run group's mean log throughput error (times ``fit.group_weight``, see
+    ``data_residuals``), the log errors of the directly measured LoRA overheads ``anchors`` (per model;
+    profiling runs, no simulation needed; times ``fit.anchor_weight``), and ``(value - prior) / sd`` for every
+    free constant (times ``fit.prior_weight``), the prior being its value in ``priors[model]``. ``evaluator``
+    simulates rows for a dict of profiles (see ``Evaluator``). ``start`` (per model) overrides the starting point
+    (default: the values in ``profiles``).
 
-    The fit runs until a tolerance is met (``ftol``: relative cost change; ``xtol``: relative step; scipy's
-    trust-region reflective method), ``max_nfev`` residual evaluations were spent, or ``max_wall_s`` seconds
-    passed; ``RefineResult.converged`` and ``status`` say which, ``iterations`` how many Jacobians it took.
-    Whatever ends it, each model keeps the best point seen.
+    The fit runs until a tolerance is met (``fit.ftol``: relative cost change; ``fit.xtol``: relative step;
+    scipy's trust-region reflective method), ``fit.max_nfev`` residual evaluations were spent, or
+    ``fit.max_wall_s`` seconds passed; ``RefineResult.converged`` and ``status`` say which, ``iterations`` how
+    many Jacobians it took. Whatever ends it, each model keeps the best point seen.
     """
     from scipy.optimize import least_squares
 
-    for name in free:
-        if name not in FREE_PARAMS:
-            raise DataError(f"unknown free parameter '{name}': expected one of {', '.join(FREE_PARAMS)}")
+    fit = fit or FitOptions()
+    free, prior_weight, itl_weight, group_weight = fit.free, fit.prior_weight, fit.itl_weight, fit.group_weight
+    anchor_weight, max_nfev, diff_step, max_wall_s = fit.anchor_weight, fit.max_nfev, fit.diff_step, fit.max_wall_s
     models = sorted(profiles)
     idx = {m: [i for i, r in enumerate(rows) if r["model"] == m] for m in models}
     for m in models:
@@ -362,7 +387,7 @@ def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Seque
 
     try:
         sol = least_squares(residuals, x0, jac=jac, bounds=(lo, hi), loss="soft_l1", f_scale=1.0, method="trf",
-                            max_nfev=max_nfev, x_scale=1.0, xtol=xtol, ftol=ftol, gtol=1e-8)
+                            max_nfev=max_nfev, x_scale=1.0, xtol=fit.xtol, ftol=fit.ftol, gtol=1e-8)
         status, converged = str(sol.message), bool(sol.status > 0)
     except _OutOfTime:
         status, converged = f"stopped at the wall-time cap of {max_wall_s:.0f} s (best point kept)", False

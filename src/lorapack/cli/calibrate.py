@@ -63,6 +63,7 @@ def calibrate(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
     """Fit a profile from profiling data (closed-form priors), refine it against real runs, write it."""
+    from ..calibrate.command import CalibrateOptions, RefinementOptions
     from ..calibrate.command import calibrate as run_calibration
     from ..errors import DataError
 
@@ -89,11 +90,13 @@ def calibrate(
     if runs is None and bench.given_flags():
         raise DataError(f"{', '.join(bench.given_flags())}: these describe vllm bench serve JSON runs; give "
                         f"them with --runs FILE.json")
-    summary = run_calibration(profiling, model, gpu=gpu, vllm_version=vllm_version, runs=runs, out=out, report=report,
-                        seeds=seeds, lengths=lengths, workers=workers, max_evals=evals,  # type: ignore[arg-type]
-                        free=[f.strip() for f in free.split(",") if f.strip()], max_model_len=max_model_len,
-                        max_wall_s=max_minutes * 60.0, start=start_profile, itl_weight=itl_weight,
-                        group_weight=group_weight, log=log, bench=bench)
+    refinement = RefinementOptions(seeds=seeds, lengths=lengths, workers=workers,
+                                   free=tuple(f.strip() for f in free.split(",") if f.strip()),
+                                   max_evals=evals, max_wall_s=max_minutes * 60.0,  # type: ignore[arg-type]
+                                   itl_weight=itl_weight, group_weight=group_weight, start=start_profile)
+    options = CalibrateOptions(model=model, gpu=gpu, vllm_version=vllm_version, max_model_len=max_model_len,
+                               refinement=refinement)
+    summary = run_calibration(profiling, runs, out, options, report=report, bench=bench, log=log)
     ref = summary.get("refinement")
     if ref is not None and not ref.get("refined", True):
         err_console.print("[yellow]warning:[/yellow] the refinement changed no constant: the 'refined' values "
