@@ -160,6 +160,7 @@ def main() -> None:
           f"early stop {'on' if early_on else 'off'}"
           f"{'' if early_stop_available() else ' (the twin has no early termination yet)'}, "
           f"pruning {'on' if prune_on else 'off'}")
+    load_before = os.getloadavg()  # wall times are comparable only at a similar load
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         run_sweep(grid, Path(tmp) / "full", configs=sample, workers=args.workers,
@@ -209,7 +210,7 @@ def main() -> None:
         "bench": "sweep_shortcuts", "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "twin_version": __version__, "profile_hash": hashes.pop(),
         "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
-                    "processor": platform.machine()},
+                    "processor": platform.machine(), "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
         "preset": args.preset, "configs": len(sample), "series": len({c.series_key for c in sample}),
         "sampling": f"random whole N-series of non-OOM configs, seed {args.seed}",
         "shortcuts": shortcuts.as_dict(), "early_stop_available": early_stop_available(),
