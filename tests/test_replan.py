@@ -406,3 +406,12 @@ def yaml_load(path: Path):
     import yaml
 
     return yaml.safe_load(path.read_text())
+
+
+def test_a_previous_plan_for_another_model_is_refused(tmp_path) -> None:
+    _first, d0 = _place(instance(np.full(6, 0.5)), tmp_path, "w0")
+    d = json.loads((d0 / "plan.json").read_text())
+    d["model"] = "qwen-2.5-7b-instruct"
+    (d0 / "plan.json").write_text(json.dumps(d))
+    with pytest.raises(SpecError, match="a plan for qwen-2.5-7b-instruct on .*, expected one for llama"):
+        run_place(instance(np.full(6, 0.5)), LLAMA, verify=False, previous=d0, **toy_kwargs(CAP))

@@ -142,6 +142,23 @@ def _place(values: dict[str, Any]) -> None:
         print_json(plan.to_dict())
         return
     _render(plan, files)
+    if previous is not None:
+        _migration_notes(previous, plan, inst.paths, endpoints)
+
+
+def _migration_notes(previous, plan, paths: dict[str, str], endpoints) -> None:
+    """The steps of migrate.sh whose state is not known to pass, said where the operator looks."""
+    from rich.markup import escape
+
+    from ..replan.migrate import migration
+
+    mig = migration(previous, plan, paths, endpoints)
+    console.print(f"migrate.sh: {len(mig['steps'])} steps ({mig['loads']} loads, {mig['unloads']} unloads, "
+                  f"{len(mig['restarts'])} restarts)", highlight=False)
+    for s in mig["states"]:
+        if s["passes"] is not True:
+            console.print(f"[yellow]migrate.sh steps {s['from_step']}-{s['to_step']}: {escape(s['why'])}[/yellow]",
+                          highlight=False)
 
 
 place = place_command()
