@@ -196,7 +196,8 @@ def test_cli_errors_are_one_line(tmp_path, args, message) -> None:
     assert not out.exists() or not any(out.iterdir())
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), k=st.one_of(st.none(), st.integers(0, 40)))
 def test_invariants(tmp_path_factory, seed, k) -> None:
     """Every adapter placed once, as the plan says; optional moves <= K; the moves add up; every GPU passes;
@@ -415,3 +416,57 @@ def test_a_previous_plan_for_another_model_is_refused(tmp_path) -> None:
     (d0 / "plan.json").write_text(json.dumps(d))
     with pytest.raises(SpecError, match="a plan for qwen-2.5-7b-instruct on .*, expected one for llama"):
         run_place(instance(np.full(6, 0.5)), LLAMA, verify=False, previous=d0, **toy_kwargs(CAP))
+
+
+class _SlotsOracle:
+    """Passes while Σλ <= CAP, and past CAP / 2 only with every adapter resident (A >= N): a GPU whose load
+    rises past half needs more slots, a restart."""
+
+    name = "slots-toy"
+    cheap = True
+
+    def predict(self, cands):
+        from lorapack.oracle import Prediction
+
+        out = []
+        for c in cands:
+            lam = float(c.rates_rps.sum())
+            ok = lam <= CAP and (c.max_loras >= c.n_adapters or lam <= CAP / 2)
+            tau = c.input_tokens + c.output_tokens
+            out.append(Prediction(fits=True, throughput_tok_s=lam * tau, incoming_tok_s=lam * tau,
+                                  starved=0.0 if ok else 1.0, itl_ms=float("nan"), ttft_s=0.1))
+        return out
+
+
+@pytest.mark.parametrize("host_slots, passes", [(16, True), (4, False)])
+def test_a_restart_parks_its_adapters_on_a_host_the_oracle_accepts(tmp_path, host_slots, passes) -> None:
+    from lorapack.placement import GpuPlan
+    from lorapack.placement.plan import PLAN_FLAGS
+
+    def gpu(ids, a):
+        srv = {k: None for k in PLAN_FLAGS} | {"max_loras": a, "max_lora_rank": 8, "max_cpu_loras": max(a, len(ids)),
+                                                "max_num_seqs": LLAMA.max_num_seqs,
+                                                "max_num_batched_tokens": LLAMA.max_num_batched_tokens,
+                                                "max_model_len": LLAMA.max_model_len}
+        return GpuPlan(adapters=ids, weights=[1.0] * len(ids), ranks=[8] * len(ids), rates_rps=[0.5] * len(ids),
+                       server=ServerConfig(**srv))
+
+    ids0, ids1 = [f"r{i}" for i in range(6)], [f"s{i}" for i in range(4)]
+    prev = Plan("proposed", LLAMA.model, LLAMA.gpu, [gpu(ids0, 2), gpu(ids1, host_slots)])
+    d0 = tmp_path / "w0"
+    write_outputs(prev, d0)
+    toy = _SlotsOracle()
+    rates = [1.0] * 6 + [0.5] * 4  # GPU 0 passes half its CAP: it needs every adapter resident
+    plan = run_place(instance(rates, ids=ids0 + ids1), LLAMA, verify=False, previous=d0, oracle=toy,
+                     search_oracle=toy, verify_oracle=toy, capacity=lambda s: 0.9 * CAP * 420, workers=1,
+                     max_moves=0)
+    r = plan.replan
+    assert r["restarts"] == [0] and r["moves"]["total"] == 0 and plan.gpus[0].max_loras == 6
+    parked = r["restart_hosts"]["0"]
+    assert set(parked["hosts"]) == set(ids0) and set(parked["hosts"].values()) == {1}
+    assert parked["passes"] is passes and parked["failing"] == ([] if passes else [1])
+    mig = migration(prev, plan, {})
+    (state,) = [s for s in mig["states"] if "restarts" in s["why"]]
+    assert state["passes"] is passes and state["gpus"] == [1]
+    temporary = [s for s in mig["steps"] if s["kind"] == "load"]
+    assert len(temporary) == 6 and all(s["temporary"] and s["gpu"] == 1 for s in temporary)

@@ -107,6 +107,7 @@ def migration(previous: Plan, plan: Plan, paths: Mapping[str, str], endpoints: E
     temp: dict[int, list[tuple[str, int]]] = {}
     unserved: list[dict] = []
     switch = {a: list(ts) for a, ts in final.items()}
+    chosen = (plan.replan or {}).get("restart_hosts") or {}  # the re-plan's hosts, judged there
     for x in restarting:
         for a in plan.gpus[x].adapters:
             others = [t for t in final[a] if t["gpu"] not in restarting]
@@ -116,6 +117,9 @@ def migration(previous: Plan, plan: Plan, paths: Mapping[str, str], endpoints: E
                 continue
             rank = default_slot_rank(_rank_of(previous, plan, a) or 1)
             hosts = [g for g in running if (plan.gpus[g].max_lora_rank or 0) >= rank and a not in plan.gpus[g].adapters]
+            pick = (chosen.get(str(x)) or {}).get("hosts", {}).get(a)
+            if pick in hosts:
+                hosts = [pick]
             if not hosts:
                 unserved.append({"adapter": a, "gpu": x})
                 switch.pop(a, None)
@@ -164,9 +168,17 @@ def migration(previous: Plan, plan: Plan, paths: Mapping[str, str], endpoints: E
             for a in names:
                 add("unload", gpu=h, url=url(h), adapter=a)
         if mine:  # the temporary hosts carry GPU x's traffic from the switch until its adapters are routed back
-            restart_states.append({"from_step": switch_step, "to_step": last_route, "gpus": hosts, "passes": None,
-                                   "why": f"GPU {x} restarts: GPU(s) {', '.join(map(str, hosts))} carry its "
-                                          "adapters meanwhile, a state nobody verified"})
+            judged = chosen.get(str(x))
+            where = f"GPU {x} restarts: GPU(s) {', '.join(map(str, hosts))} carry its adapters meanwhile"
+            if judged is None or any(h not in judged.get("hosts", {}).values() for h in hosts):
+                state = {"passes": None, "why": f"{where}, a state nobody judged"}
+            elif judged["passes"]:
+                by = "verified by the twin" if judged["judged_by"] == "twin" else "tested by the method's oracle"
+                state = {"passes": True, "why": f"{where}, a state {by}"}
+            else:
+                state = {"passes": False, "why": f"{where}; GPU(s) {', '.join(map(str, judged['failing']))} fail "
+                                                 f"in that state ({judged['judged_by']})"}
+            restart_states.append({"from_step": switch_step, "to_step": last_route, "gpus": hosts, **state})
     r = plan.replan or {}
     failing = list(r.get("failing_before") or [])
     verified = bool(plan.verification) and bool(plan.verification.get("passed"))

@@ -367,15 +367,17 @@ def _open_gpus(st: _State, homeless: list[int], pool: int | None) -> None:
     sub = replace(inst, adapter_ids=tuple(inst.adapter_ids[i] for i in ix), ranks=inst.ranks[ix],
                   rates_rps=inst.rates_rps[ix], weights=inst.weights[ix])
     fills = greedy_fill(sub, st.profile, st.oracle, st.config.objective, options=_options(st.config))
-    free = [g for g, gpu in enumerate(st.gpus) if not gpu.entries]
     for f in fills:
         entries = [int(ix[i]) for i in f.entries]
         a = max(1, min(int(f.max_loras), len(entries)))
+        # a released index first, unless one of these adapters left that GPU (it would be a move back there)
+        barred = set().union(*(st.forbidden.get(e, set()) for e in entries))
+        free = [g for g, gpu in enumerate(st.gpus) if not gpu.entries and g not in barred]
+        gpu = _Gpu(entries=entries, max_loras=a, server=None, tested=True)
         if free:
-            g = free.pop(0)
-            st.gpus[g] = _Gpu(entries=entries, max_loras=a, server=None, tested=True)
+            st.gpus[free[0]] = gpu
         else:
-            st.gpus.append(_Gpu(entries=entries, max_loras=a, server=None, tested=True))
+            st.gpus.append(gpu)
     used = sum(1 for gpu in st.gpus if gpu.entries)
     if pool is not None and used > pool:
         raise Infeasible(f"the re-plan needs {used} GPUs, --gpus {pool} given", gpus_needed=used)
@@ -543,7 +545,59 @@ def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Prev
     plan.settings.update(previous=previous.path, max_moves=config.max_moves)
     plan.replan = _report(plan, scratch, previous, st, optional)
     plan.replan["failing_before"] = failing  # the previous plan's GPUs that fail under the new rates
+    by_gpu = dict(zip(index, fills, strict=True))
+    verifier = ctx.verifier(config.verify_seeds) if config.verify else None
+    plan.replan["restart_hosts"] = _restart_hosts(st, plan, by_gpu, plan.replan["restarts"], verifier)
     return plan
+
+
+def _restart_hosts(st: _State, plan: Plan, by_gpu: dict[int, GpuFill], restarts: Sequence[int],
+                   verifier: Oracle | None) -> dict[str, dict]:
+    """Where each restarting server's adapters are served while it restarts (migrate.sh loads them there
+    first): hottest first onto the server that keeps running, takes the adapter's rank and passes the TEST with
+    it on top of its own adapters and the others parked there, least loaded first. With ``verifier`` the hosts'
+    states are verified too. Per restarting GPU: ``hosts`` (adapter -> GPU), ``passes``, ``judged_by``,
+    ``failing`` (hosts whose state fails) and ``unserved`` (adapters no running server can take)."""
+    inst = st.inst
+    running = [g for g in by_gpu if g not in restarts]
+    out: dict[str, dict] = {}
+    for x in restarts:
+        extra: dict[int, list[int]] = {}
+        hosts: dict[str, int] = {}
+        homeless: list[str] = []
+        unserved: list[str] = []
+        for e in sorted(by_gpu[x].entries, key=lambda i: (-inst.rates_rps[i], inst.adapter_ids[i])):
+            aid = inst.adapter_ids[e]
+            if any(aid in plan.gpus[g].adapters for g in running):  # its other replicas take its requests
+                continue
+            rank = default_slot_rank(int(inst.ranks[e]))
+            cands = sorted((g for g in running if (plan.gpus[g].max_lora_rank or 0) >= rank),
+                           key=lambda g: (float(inst.rates_rps[by_gpu[g].entries + extra.get(g, [])].sum()), g))
+            # the host's --max-loras as its server runs it (a kept server's flag may exceed its adapters)
+            ok = st.passes([(by_gpu[g].entries + extra.get(g, []) + [e], int(plan.gpus[g].max_loras)) for g in cands])
+            host = next((g for g, good in zip(cands, ok, strict=True) if good), None)
+            if host is None and cands:  # none passes: the least loaded carries it, and the state says it fails
+                host = cands[0]
+                homeless.append(aid)
+            if host is None:
+                unserved.append(aid)
+                continue
+            extra.setdefault(host, []).append(e)
+            hosts[aid] = host
+        failing = sorted({hosts[a] for a in homeless})
+        judged = "oracle"
+        if verifier is not None and extra:
+            from ..placement.verify import verify_fills
+
+            gs = sorted(extra)
+            verdicts = verify_fills(inst, st.profile, [GpuFill(entries=by_gpu[g].entries + extra[g],
+                                                               max_loras=int(plan.gpus[g].max_loras)) for g in gs],
+                                    st.config.objective, verifier)
+            failing = [g for g, v in zip(gs, verdicts, strict=True) if not v.passed]
+            judged = "twin"
+        out[str(x)] = {"hosts": hosts, "passes": not failing and not unserved, "judged_by": judged,
+                       "failing": failing, "unserved": unserved}
+    return out
 
 
 def _infeasible(scratch: Plan, config: PlaceConfig, previous: Previous, reason: str) -> Plan:
