@@ -470,3 +470,33 @@ def test_a_restart_parks_its_adapters_on_a_host_the_oracle_accepts(tmp_path, hos
     assert state["passes"] is passes and state["gpus"] == [1]
     temporary = [s for s in mig["steps"] if s["kind"] == "load"]
     assert len(temporary) == 6 and all(s["temporary"] and s["gpu"] == 1 for s in temporary)
+
+
+@pytest.mark.parametrize("seed", [4, 78, 11])
+def test_invariants_with_a_stricter_verifier(tmp_path, seed) -> None:
+    """Verification's repair splits adapters and moves them: two windows on, every GPU still holds an adapter at
+    most once (replicas that met on one GPU are merged), every adapter's weights sum to 1, the moves add up."""
+    from placement_helpers import ToyOracle
+
+    rng = np.random.default_rng(seed)
+    strict = ToyOracle(CAP * 0.7)
+    kw = {**toy_kwargs(CAP), "verify_oracle": strict, "search_oracle": strict}
+    rates = rng.uniform(0.05, 1.5, int(rng.integers(8, 40)))
+    ids = list(instance(rates).adapter_ids)
+    prev = run_place(instance(rates), LLAMA, verify=True, **kw)
+    d = tmp_path / "w0"
+    write_outputs(prev, d)
+    for w in range(2):
+        rates = np.where(rng.random(len(ids)) < 0.3, rng.uniform(0.05, 3.0, len(ids)), rates)
+        plan = run_place(instance(rates, ids=ids), LLAMA, verify=True, previous=d, **kw)
+        assert not plan.infeasible, plan.reason
+        d = tmp_path / f"w{w + 1}"
+        write_outputs(plan, d, previous=prev)
+        m = plan.replan["moves"]
+        assert all(len(gp.adapters) == len(set(gp.adapters)) for gp in plan.gpus)
+        assert sorted(plan.routes()) == sorted(ids)
+        assert all(abs(sum(x for _, x in v) - 1.0) < 1e-9 for v in plan.routes().values())
+        assert m["total"] == plan.replan["churn"]["moves"] == sum(m[x] for x in
+                                                                 ("gone", "new", "needed", "optional", "verification"))
+        assert plan.verification["passed"] and all(sum(gp.rates_rps) <= 0.7 * CAP + 1e-9 for gp in plan.gpus)
+        prev = plan

@@ -532,6 +532,7 @@ def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Prev
     n_gpus = max(index, default=-1) + 1
     gpus = [GpuPlan(adapters=[], weights=[], server=ServerConfig(max_loras=1)) for _ in range(n_gpus)]
     for g, gp in zip(index, built.gpus, strict=True):
+        gp = _merge_replicas(gp)
         old = st.gpus[g].server if g < len(st.gpus) else None
         if old is not None and not needs_restart(old, gp.server, len(gp.adapters)):
             # no restart: the running server's flags stand (its --max-cpu-loras too, the CPU cache is LRU)
@@ -549,6 +550,32 @@ def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Prev
     verifier = ctx.verifier(config.verify_seeds) if config.verify else None
     plan.replan["restart_hosts"] = _restart_hosts(st, plan, by_gpu, plan.replan["restarts"], verifier)
     return plan
+
+
+def _merge_replicas(gp: GpuPlan) -> GpuPlan:
+    """Two replicas of a split adapter that ended on one GPU (the greedy's new GPUs or the repair may put them
+    together) become one adapter there with their weights and rates summed: a server registers a name once,
+    and one adapter at the summed rate is no heavier than the two verified (the same Poisson load, one slot)."""
+    if len(set(gp.adapters)) == len(gp.adapters):
+        return gp
+    at: dict[str, int] = {}
+    adapters, weights, ranks, rates = [], [], [], []
+    for i, a in enumerate(gp.adapters):
+        if a in at:
+            weights[at[a]] += gp.weights[i]
+            if gp.rates_rps:
+                rates[at[a]] += gp.rates_rps[i]
+            continue
+        at[a] = len(adapters)
+        adapters.append(a)
+        weights.append(gp.weights[i])
+        if gp.ranks:
+            ranks.append(gp.ranks[i])
+        if gp.rates_rps:
+            rates.append(gp.rates_rps[i])
+    n = len(adapters)
+    server = gp.server.replace(max_loras=min(int(gp.max_loras), n), max_cpu_loras=max(min(int(gp.max_loras), n), n))
+    return replace(gp, adapters=adapters, weights=weights, ranks=ranks, rates_rps=rates, server=server)
 
 
 def _restart_hosts(st: _State, plan: Plan, by_gpu: dict[int, GpuFill], restarts: Sequence[int],
