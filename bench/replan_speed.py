@@ -7,7 +7,8 @@ sigma ``--sigma``, default 0.7: about half of them rise, some by 2x and more). S
 
 * ``unchanged``: the same rates (must move nothing);
 * ``changed``: 10 % changed, no cap on the optional moves; ``changed-k0``: the same with ``--max-moves 0``;
-* ``hot``: 10 % of the rates x 6 (GPUs fail: needed moves, and a GPU to save afterwards).
+* ``hot``: 10 % of the rates x 6 (GPUs fail: needed moves, and a GPU to save afterwards); ``hot-k40``: the same
+  with ``--max-moves 40``.
 
 Timed: the whole ``place()`` call (the re-plan and the from-scratch plan it reports against), the re-plan alone
 (``placement_ms``), the from-scratch plan (``diagnostics.from_scratch_ms``); learned models loaded beforehand
@@ -75,6 +76,7 @@ def main() -> None:
         "changed": (_changed(inst, lambda rng, k: rng.lognormal(0.0, args.sigma, k), 1), None),
         "changed-k0": (_changed(inst, lambda rng, k: rng.lognormal(0.0, args.sigma, k), 1), 0),
         "hot": (_changed(inst, lambda rng, k: 6.0, 2), None),
+        "hot-k40": (_changed(inst, lambda rng, k: 6.0, 2), 40),
     }
     out: dict = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                  "machine": platform.platform(), "cpus": os.cpu_count(), "loadavg_start": list(load_start),

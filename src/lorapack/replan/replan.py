@@ -263,11 +263,28 @@ class _State:
             out.append(g)
         return sorted(out, key=lambda g: (self.load(g), g))
 
-    def find_home(self, e: int, exclude: set[int]) -> int | None:
-        """The least-loaded GPU among ``targets`` that passes the TEST with ``e`` added (its ``A`` kept)."""
+    def find_home(self, e: int, exclude: set[int]) -> tuple[int, int] | None:
+        """``(GPU, its A)``: the least-loaded GPU among ``targets`` that passes the TEST with ``e`` added -- with
+        its ``A`` for a running server (no restart), with any slot value for one started in this window (it has
+        no flags yet)."""
         gs = self.targets(e, exclude)
-        ok = self.passes([(self.gpus[g].entries + [e], self.gpus[g].max_loras) for g in gs])
-        return next((g for g, good in zip(gs, ok, strict=True) if good), None)
+        running = [g for g in gs if self.gpus[g].server is not None]
+        fresh = [g for g in gs if self.gpus[g].server is None]
+        ok = dict(zip(running, self.passes([(self.gpus[g].entries + [e], self.gpus[g].max_loras) for g in running]),
+                      strict=True))
+        slots = dict(zip(fresh, self.settle([(self.gpus[g].entries + [e], self.gpus[g].max_loras) for g in fresh])
+                         if fresh else [], strict=True))
+        for g in gs:
+            if ok.get(g):
+                return g, self.gpus[g].max_loras
+            if slots.get(g) is not None:
+                return g, int(slots[g])  # type: ignore[arg-type]
+        return None
+
+    def put(self, e: int, home: tuple[int, int]) -> None:
+        g, a = home
+        self.gpus[g].entries.append(e)
+        self.gpus[g].max_loras = a
 
 
 def _options(config: PlaceConfig):
@@ -387,11 +404,11 @@ def _place_homeless(st: _State, homeless: list[int], pool: int | None) -> None:
     """Step 3: hottest first onto the least-loaded running GPU that passes with it; the rest onto new GPUs."""
     left = []
     for e in sorted(homeless, key=lambda x: (-st.inst.rates_rps[x], st.inst.adapter_ids[x])):
-        g = st.find_home(e, set())
-        if g is None:
+        home = st.find_home(e, set())
+        if home is None:
             left.append(e)
         else:
-            st.gpus[g].entries.append(e)
+            st.put(e, home)
     _open_gpus(st, left, pool)
 
 
@@ -412,16 +429,16 @@ def _consolidate(st: _State, target: int | None, budget: float) -> int:
             price = cost(g)
             if spent + price > budget:
                 break
-            saved = [list(gpu.entries) for gpu in st.gpus]
+            saved = [(list(gpu.entries), gpu.max_loras) for gpu in st.gpus]
             moving = sorted(st.gpus[g].entries, key=lambda x: (-st.inst.rates_rps[x], st.inst.adapter_ids[x]))
             st.gpus[g].entries = []
             ok = True
             for e in moving:
-                h = st.find_home(e, {g})
-                if h is None:
+                home = st.find_home(e, {g})
+                if home is None:
                     ok = False
                     break
-                st.gpus[h].entries.append(e)
+                st.put(e, home)
             if ok:
                 spent += price
                 for e in moving:
@@ -430,8 +447,8 @@ def _consolidate(st: _State, target: int | None, budget: float) -> int:
                     st.forbidden.setdefault(e, set()).add(g)
                 done = True
                 break
-            for gpu, entries in zip(st.gpus, saved, strict=True):
-                gpu.entries = entries
+            for gpu, (entries, a) in zip(st.gpus, saved, strict=True):
+                gpu.entries, gpu.max_loras = entries, a
         if not done:
             break
     return spent
