@@ -546,7 +546,9 @@ def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Prev
             if gs != where.get(e) and e not in st.why:  # repair moved an adapter the re-plan had left at home
                 st.why[e] = "verification"
     built = build_plan(method.name, inst, profile, fills, verdicts)
-    n_gpus = max(index, default=-1) + 1
+    # released GPUs at the end stay as empty GPUs: a GPU's address may depend on the plan's GPU count (the
+    # default host name: localhost on one node), and both windows must name every server alike
+    n_gpus = max(max(index, default=-1) + 1, len(prev.gpus))
     gpus = [GpuPlan(adapters=[], weights=[], server=ServerConfig(max_loras=1)) for _ in range(n_gpus)]
     for g, gp in zip(index, built.gpus, strict=True):
         gp = _merge_replicas(gp)
