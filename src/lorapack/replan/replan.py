@@ -250,15 +250,12 @@ class _State:
         """Running GPUs entry ``e`` may join without a restart, least loaded first."""
         inst = self.inst
         rank = default_slot_rank(int(inst.ranks[e]))
-        aid = inst.adapter_ids[e]
         n_max = _options(self.config).n_max
         out = []
         for g, gpu in enumerate(self.gpus):
             if not gpu.entries or g in exclude or g in self.forbidden.get(e, ()) or len(gpu.entries) >= n_max:
                 continue
             if gpu.server is not None and rank > self.rank_cap(g):
-                continue
-            if any(inst.adapter_ids[x] == aid for x in gpu.entries):  # a split adapter's other replica
                 continue
             out.append(g)
         return sorted(out, key=lambda g: (self.load(g), g))
