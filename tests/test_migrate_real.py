@@ -128,6 +128,7 @@ def test_migrate_sh_on_twin_servers_moves_every_adapter_without_a_failed_request
             ids = _wait_models(f"http://127.0.0.1:{base + g}", deadline)
             assert sorted(ids[1:]) == sorted(gp.adapters), f"GPU {g}"
         assert json.loads(live.read_text()) == json.loads((d1 / "routes.json").read_text())
+        print(f"requests during the test: {sent[0]}, failed: {len(failures)}; migrate.sh: {p.stdout.count(chr(10))} lines")
         assert sent[0] > 20 and not failures, failures[:5]
         # run again: every step is in the state file, nothing is redone
         p = subprocess.run(["bash", str(d1 / "migrate.sh")], capture_output=True, text=True, env=run_env, timeout=120)

@@ -500,3 +500,24 @@ def test_invariants_with_a_stricter_verifier(tmp_path, seed) -> None:
                                                                  ("gone", "new", "needed", "optional", "verification"))
         assert plan.verification["passed"] and all(sum(gp.rates_rps) <= 0.7 * CAP + 1e-9 for gp in plan.gpus)
         prev = plan
+
+
+def test_cli_replan_of_unchanged_rates_moves_nothing(tmp_path) -> None:
+    """The shipped example through ``lorapack place`` twice (the default method, learned oracle and twin
+    verification): the second, with ``--previous``, moves nothing, restarts nothing, and its migration is empty."""
+    def place(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "lorapack.cli", "place", str(EXAMPLES / "adapters.csv"),
+                               "--model", "llama-3.1-8b-instruct", "--workers", "1", *args],
+                              capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "80"})
+
+    p = place("--out", str(tmp_path / "w0"))
+    assert p.returncode == 0, p.stderr
+    p = place("--out", str(tmp_path / "w1"), "--previous", str(tmp_path / "w0"))
+    assert p.returncode == 0, p.stderr
+    assert "re-plan: 0 moves (none" in p.stdout and "0 restart(s)" in p.stdout, p.stdout
+    before = json.loads((tmp_path / "w0" / "plan.json").read_text())
+    after = json.loads((tmp_path / "w1" / "plan.json").read_text())
+    assert [g["adapters"] for g in after["gpus"]] == [g["adapters"] for g in before["gpus"]]
+    assert after["replan"]["moves"]["total"] == 0 and after["replan"]["from_scratch"]["moves"] == 0
+    assert json.loads((tmp_path / "w1" / "migrate.json").read_text())["steps"] == []
+    assert (tmp_path / "w1" / "migrate.sh").read_text().count("\nstep ") == 0
