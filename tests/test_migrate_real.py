@@ -23,6 +23,7 @@ import pytest
 
 from lorapack.placement import plan_from_dict
 from lorapack.placement.export import Endpoints, write_outputs
+from lorapack.replan.migrate import migration_files
 from placement_helpers import LLAMA, instance, run_place, toy_kwargs
 from serve_helpers import free_port, sigint_default
 
@@ -57,7 +58,7 @@ def _plans(tmp: Path, base: int) -> tuple[Path, Path]:
     new_rates = np.array([2.0 if a in g0[:2] else 0.8 for a in ids])
     p1 = run_place(instance(new_rates, ids=ids), LLAMA, verify=False, previous=d0, **toy_kwargs(CAP))
     d1 = tmp / "w1"
-    write_outputs(p1, d1, endpoints=endpoints, previous=p0)
+    write_outputs(p1, d1, endpoints=endpoints, extra=migration_files(p0, p1, {}, endpoints))
     r = p1.replan
     assert r["restarts"] == [] and r["moves"]["gone"] == 2 and r["moves"]["new"] == 1 and r["moves"]["needed"] >= 2
     return d0, d1

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from lorapack.errors import SpecError
 from lorapack.placement import PlaceConfig, Plan, plan_from_dict
 from lorapack.placement.export import Endpoints, write_outputs
-from lorapack.replan.migrate import migration
+from lorapack.replan.migrate import migration, migration_files
 from lorapack.replan.replan import best_matching, churn, needs_restart
 from lorapack.server import ServerConfig
 from placement_helpers import LLAMA, instance, run_place, toy_kwargs
@@ -33,8 +33,8 @@ def _place(inst, tmp: Path, name: str, verify: bool = False, **kw) -> tuple[Plan
     assert not plan.infeasible, plan.reason
     out = tmp / name
     prev = kw.get("previous")
-    write_outputs(plan, out, previous=plan_from_dict(json.loads((Path(prev) / "plan.json").read_text()))
-                  if prev else None)
+    previous = plan_from_dict(json.loads((Path(prev) / "plan.json").read_text())) if prev else None
+    write_outputs(plan, out, extra=migration_files(previous, plan, {}) if previous else None)
     return plan, out
 
 
@@ -358,7 +358,8 @@ def test_migrate_sh_order_restart_and_resume(tmp_path) -> None:
     after = Plan("proposed", LLAMA.model, LLAMA.gpu, [_gpu("ac", 2), _gpu("def", 1), released, _gpu("g", 1)])
     after.replan = {"failing_before": [1]}
     out = tmp_path / "w1"
-    write_outputs(after, out, endpoints=Endpoints(base_port=base), previous=before)
+    endpoints = Endpoints(base_port=base)
+    write_outputs(after, out, endpoints=endpoints, extra=migration_files(before, after, {}, endpoints))
     mig = json.loads((out / "migrate.json").read_text())
     assert mig["restarts"] == [1] and mig["started"] == [3] and mig["released"] == [2]
     assert [s for s in mig["states"] if s["passes"] is None], "the temporary host's state is named"
@@ -491,7 +492,7 @@ def test_invariants_with_a_stricter_verifier(tmp_path, seed) -> None:
         plan = run_place(instance(rates, ids=ids), LLAMA, verify=True, previous=d, **kw)
         assert not plan.infeasible, plan.reason
         d = tmp_path / f"w{w + 1}"
-        write_outputs(plan, d, previous=prev)
+        write_outputs(plan, d, extra=migration_files(prev, plan, {}))
         m = plan.replan["moves"]
         assert all(len(gp.adapters) == len(set(gp.adapters)) for gp in plan.gpus)
         assert sorted(plan.routes()) == sorted(ids)

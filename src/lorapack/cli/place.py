@@ -137,7 +137,12 @@ def _place(values: dict[str, Any]) -> None:
             plan = run_place(inst, prof, config, progress=lambda msg: status.update(f"{config.method}: {msg}"))
     if plan.infeasible:
         raise LorapackError(plan.reason)
-    files = write_outputs(plan, out, inst.paths, endpoints, previous)
+    extra = None
+    if previous is not None:
+        from ..replan.migrate import migration_files
+
+        extra = migration_files(previous, plan, inst.paths, endpoints)
+    files = write_outputs(plan, out, inst.paths, endpoints, extra)
     if json_out:
         print_json(plan.to_dict())
         return

@@ -9,7 +9,8 @@ Python API (what ``lorapack place`` and ``lorapack evaluate`` call)::
     plan = place(inst, profile, PlaceConfig(method="dlora", gpus=4, verify=False))  # the paper's fixed pool, raw
     plan.gpus_used, plan.lower_bound_gpus, plan.placement_ms, plan.routes()
 
-* ``place(adapters, profile, config=PlaceConfig(), overrides=None, progress=None) -> Plan``. ``adapters``: an
+* ``place(adapters, profile, config=PlaceConfig(), overrides=None, progress=None) -> Plan`` (``entry``: from
+  scratch, ``api.place``, or with ``config.previous`` a re-plan, ``lorapack.replan.replan``). ``adapters``: an
   ``Instance`` (from ``make_instance``; carries its headroom) or a ``lorapack.spec.Workload``. ``PlaceConfig``
   holds every setting (one field per ``lorapack place`` flag, validated: a bad value is a ``SpecError`` naming
   the flag). ``gpus=None``: the greedy methods open GPUs as needed and the pool methods run the smallest-pool
@@ -36,9 +37,10 @@ and repair), ``oracles`` (the oracles a method asks; twin runs in worker process
 """
 
 from ..objective import DEFAULT_MAX_TTFT_S, Objective
-from .api import Context, OracleOverrides, assign, place, smallest_pool, verify_plan
+from .api import Context, OracleOverrides, assign, smallest_pool, verify_plan
 from .bound import LowerBound, lower_bound
 from .config import DEFAULT_VERIFY_SEEDS, PlaceConfig
+from .entry import place
 from .greedy import N_MAX, TESTING_POINTS, Infeasible, zigzag_order
 from .plan import BINDING, GpuMetrics, GpuPlan, Plan, plan_from_dict
 from .problem import DEFAULT_HEADROOM, Instance, instance_from_workload, make_instance

@@ -382,20 +382,13 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
     objective, verify, verify_seeds = config.objective, config.verify, config.verify_seeds
     hard_n_max = config.n_max is not None
     verify_arrivals = config.verify_law(adapters)
-    if isinstance(adapters, Instance):
-        inst = adapters
-        check_assumed_lengths(inst, profile, "the instance")
-    else:
-        inst = instance_from_workload(adapters, headroom=config.headroom, mean_input_tokens=config.mean_input_tokens,
-                                      mean_output_tokens=config.mean_output_tokens, profile=profile)
+    inst = instance_of(adapters, profile, config)
     # before any work (the bound's latency row alone simulates for seconds): an objective no GPU can meet, and
     # a placement past the resource limits (``--force`` lifts them), are refused in milliseconds
     guard_placement(inst, profile, config, twin_oracle=overrides.oracle is None and asks_the_twin(
         method.oracle, inst, profile), pool_search=not method.greedy and config.gpus is None)
-    if config.previous is not None:  # a re-plan (lorapack.replan.replan): the previous plan's churn, capped
-        from ..replan.replan import load_previous, replan
-
-        return replan(inst, profile, config, load_previous(config.previous), overrides, progress)
+    if config.previous is not None:  # a re-plan is lorapack.replan's (through lorapack.placement.place)
+        raise SpecError("--previous: this place() plans from scratch; re-plan with lorapack.placement.place")
     ctx = Context.of(profile, config, overrides, verify_arrivals, progress)
     ctx.lengths_probe = inst.candidate(profile, [0], 1)
     n_max = ctx.options.n_max
@@ -474,7 +467,7 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
             fills, verdicts, consolidated = _consolidate(inst, ctx, fills, verdicts, verifier, floor, limit)
             fills, verdicts, spread = _spread(inst, ctx, fills, verdicts, verifier, limit)
         verification_ms = (time.perf_counter() - t1) * 1e3
-        verification = _verification_dict(verifier, verify_seeds, before, fills, verdicts, log, sims_before)
+        verification = verification_dict(verifier, verify_seeds, before, fills, verdicts, log, sims_before)
         if consolidated is not None:
             verification["consolidated"] = consolidated
         if spread is not None:
@@ -490,6 +483,16 @@ def place(adapters: Instance | Workload, profile: Profile, config: PlaceConfig |
     plan.verification = verification
     plan.diagnostics = diagnostics
     return plan
+
+
+def instance_of(adapters: Instance | Workload, profile: Profile, config: PlaceConfig) -> Instance:
+    """The instance ``place()`` plans: an ``Instance`` as given (it carries its headroom and lengths), a
+    ``Workload`` at ``config``'s headroom and mean lengths."""
+    if isinstance(adapters, Instance):
+        check_assumed_lengths(adapters, profile, "the instance")
+        return adapters
+    return instance_from_workload(adapters, headroom=config.headroom, mean_input_tokens=config.mean_input_tokens,
+                                  mean_output_tokens=config.mean_output_tokens, profile=profile)
 
 
 def lengths_record(inst: Instance, profile: Profile) -> dict:
@@ -689,7 +692,7 @@ def _infeasible(method: Method, profile: Profile, settings: dict, bound: LowerBo
                 verification_ms=verification_ms)
 
 
-def _verification_dict(verifier: Oracle, seeds: int, before: int, fills: list[GpuFill], verdicts: list[Verdict],
+def verification_dict(verifier: Oracle, seeds: int, before: int, fills: list[GpuFill], verdicts: list[Verdict],
                        log: RepairLog, counts_before: tuple[int, int] = (0, 0)) -> dict:
     # a verifier shared by several calls (``twin_verifier``) counts for all of them: this call's share
     sims = getattr(verifier, "n_simulations", None)

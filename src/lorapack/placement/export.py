@@ -295,10 +295,11 @@ def check_out_dir(out: Path) -> Path:
 
 
 def write_outputs(plan: Plan, out: Path, paths: dict[str, str] | None = None,
-                  endpoints: Endpoints = Endpoints(), previous: Plan | None = None) -> list[Path]:
-    """Write plan.json, serve.sh, routes.json and the router configs into ``out`` (with ``previous``, the plan a
-    re-plan started from: migrate.json and migrate.sh too): every file is written to a temporary file first and
-    all are renamed into place only when all were written (nothing half-written)."""
+                  endpoints: Endpoints = Endpoints(), extra: dict[str, str] | None = None) -> list[Path]:
+    """Write plan.json, serve.sh, routes.json and the router configs into ``out``, and the ``extra`` files
+    (name -> text: a re-plan's migrate.json and migrate.sh, ``replan.migrate.migration_files``): every file is
+    written to a temporary file first and all are renamed into place only when all were written (nothing
+    half-written)."""
     from contextlib import ExitStack
 
     from ..checks import atomic_path
@@ -312,10 +313,7 @@ def write_outputs(plan: Plan, out: Path, paths: dict[str, str] | None = None,
         "routes.json": json.dumps(route_table, indent=1) + "\n",
         **{c.file_name: c.text for c in router_configs(route_table)},
     }
-    if previous is not None:
-        from ..replan.migrate import migration_files
-
-        texts.update(migration_files(previous, plan, paths or {}, endpoints))
+    texts.update(extra or {})
     with ExitStack() as stack:
         for name, text in texts.items():
             tmp = stack.enter_context(atomic_path(out / name))

@@ -515,7 +515,7 @@ def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Prev
     verification: dict = {}
     verification_ms = math.nan
     if config.verify:
-        from ..placement.api import _verification_dict
+        from ..placement.api import verification_dict
         from ..placement.verify import Judges, repair
 
         t1 = time.perf_counter()
@@ -528,7 +528,7 @@ def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Prev
         except Infeasible as e:
             return _infeasible(scratch, config, previous, str(e))
         verification_ms = (time.perf_counter() - t1) * 1e3
-        verification = _verification_dict(verifier, config.verify_seeds, len(index), fills, verdicts, log, counts)
+        verification = verification_dict(verifier, config.verify_seeds, len(index), fills, verdicts, log, counts)
         free = [g for g, gpu in enumerate(st.gpus) if not gpu.entries]
         for _ in fills[len(index):]:  # GPUs repair added: released indices first
             index.append(free.pop(0) if free else len(st.gpus))
