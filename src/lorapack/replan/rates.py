@@ -195,29 +195,12 @@ def read_request_log(path: str | Path) -> RequestLog:
 
 
 def read_registry(path: str | Path) -> list[RegistryAdapter]:
-    """The adapters to serve: ``adapter_id,rank[,path]`` (a ``rate_rps`` column is allowed and ignored)."""
-    from pydantic import ValidationError
+    """The adapters to serve: ``adapter_id,rank[,path]`` (a ``rate_rps`` column is allowed and ignored); the
+    same id and rank rules as a workload's adapters."""
+    from ..workload.files import read_adapter_table
 
-    from ..spec import Adapter
-    from ..textfiles import validation_error
-
-    p = Path(path)
-    out: list[RegistryAdapter] = []
-    first: dict[str, int] = {}
-    for line, row in iter_csv_rows(p, REGISTRY_COLUMNS, REGISTRY_OPTIONAL_COLUMNS):
-        data = {"adapter_id": row["adapter_id"], "rank": row["rank"], "rate_rps": 1.0, "path": row.get("path")}
-        try:  # the same id and rank rules as a workload's adapters
-            a = Adapter.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc, str(p), {(): line}, data, Adapter, base_line=line) from None
-        if a.adapter_id in first:
-            raise SpecError(f"{p}:{line}: adapter_id: duplicate id '{a.adapter_id}' (first on line "
-                            f"{first[a.adapter_id]}); expected unique ids")
-        first[a.adapter_id] = line
-        out.append(RegistryAdapter(a.adapter_id, a.rank, a.path))
-    if not out:
-        raise SpecError(f"{p}:2: no adapters; expected at least one row after the header")
-    return out
+    table = read_adapter_table(path, REGISTRY_COLUMNS, REGISTRY_OPTIONAL_COLUMNS, fill={"rate_rps": 1.0})
+    return [RegistryAdapter(a.adapter_id, a.rank, a.path) for a in table]
 
 
 def _window_counts(log: RequestLog, keep: np.ndarray, start_s: float, end_s: float, window_s: float

@@ -35,14 +35,23 @@ ADAPTER_OPTIONAL_COLUMNS = ("path",)
 
 def load_adapters_csv(path: str | Path) -> list[Adapter]:
     """Adapters from a CSV ``adapter_id,rank,rate_rps[,path]`` (registration order = row order)."""
+    return read_adapter_table(path, ADAPTER_COLUMNS, ADAPTER_OPTIONAL_COLUMNS)
+
+
+def read_adapter_table(path: str | Path, columns: tuple[str, ...], optional: tuple[str, ...] = (),
+                       fill: dict[str, object] | None = None) -> list[Adapter]:
+    """Adapters from a CSV with ``columns`` (+ any of ``optional``), each row checked as an ``Adapter`` with
+    ``fill`` replacing its fields (e.g. a rate the file need not give); ids unique, at least one row. Errors
+    name the file and line."""
     path = Path(path)
     adapters: list[Adapter] = []
     first_line: dict[str, int] = {}
-    for line, row in iter_csv_rows(path, ADAPTER_COLUMNS, ADAPTER_OPTIONAL_COLUMNS):
+    for line, row in iter_csv_rows(path, columns, optional):
+        data = {**row, **(fill or {})}
         try:
-            adapter = Adapter.model_validate(row)
+            adapter = Adapter.model_validate(data)
         except ValidationError as exc:
-            raise validation_error(exc, str(path), {(): line}, row, Adapter, base_line=line) from None
+            raise validation_error(exc, str(path), {(): line}, data, Adapter, base_line=line) from None
         if adapter.adapter_id in first_line:
             raise SpecError(f"{path}:{line}: adapter_id: duplicate id '{adapter.adapter_id}' (first on line "
                             f"{first_line[adapter.adapter_id]}); expected unique ids")
