@@ -58,6 +58,11 @@ def _child(src: str, preset: str, keys_file: str, out_file: str) -> None:
     import lorapack.sweep.work as work
     from lorapack.sweep import Shortcuts, enumerate_configs, preset_grid, read_rows, run_sweep
 
+    try:  # trees since issue 26 take the sweep's options as one record, older ones as keywords
+        from lorapack.sweep import SweepOptions as options_record
+    except ImportError:
+        options_record = None
+
     assert Path(lorapack.__file__).resolve().is_relative_to(Path(src).resolve()), lorapack.__file__
     # the engine class of the tree (same name in every tree so far): count steps of every config's last result
     from lorapack.twin import engine as eng_mod
@@ -103,7 +108,10 @@ def _child(src: str, preset: str, keys_file: str, out_file: str) -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         c0, w0 = time.process_time(), time.perf_counter()
-        run_sweep(grid, Path(tmp) / "s", configs=configs, workers=1, shortcuts=Shortcuts())
+        if options_record is not None:
+            run_sweep(grid, Path(tmp) / "s", options_record(workers=1, shortcuts=Shortcuts()), configs=configs)
+        else:
+            run_sweep(grid, Path(tmp) / "s", configs=configs, workers=1, shortcuts=Shortcuts())
         cpu_total, wall_total = time.process_time() - c0, time.perf_counter() - w0
         rows = read_rows(Path(tmp) / "s").to_pylist()
     sim = [r for r in rows if r["obtained"] not in ("oom", "pruned")]

@@ -148,7 +148,7 @@ def main() -> None:
 
     from lorapack import __version__
     from lorapack.profile import find_profile
-    from lorapack.sweep import Shortcuts, early_stop_available, preset_grid, run_sweep
+    from lorapack.sweep import Shortcuts, SweepOptions, early_stop_available, preset_grid, run_sweep
 
     grid = preset_grid(args.preset)
     profile = find_profile(grid.model, grid.gpu)
@@ -163,12 +163,12 @@ def main() -> None:
     load_before = os.getloadavg()  # wall times are comparable only at a similar load
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        run_sweep(grid, Path(tmp) / "full", configs=sample, workers=args.workers,
-                  shortcuts=Shortcuts(early_stop=False, prune=False), progress=True)
+        run_sweep(grid, Path(tmp) / "full", SweepOptions(workers=args.workers,
+                  shortcuts=Shortcuts(early_stop=False, prune=False)), configs=sample, progress=True)
         wall_full = time.perf_counter() - t0
         t0 = time.perf_counter()
-        run_sweep(grid, Path(tmp) / "short", configs=sample, workers=args.workers, shortcuts=shortcuts,
-                  progress=True)
+        run_sweep(grid, Path(tmp) / "short", SweepOptions(workers=args.workers, shortcuts=shortcuts),
+                  configs=sample, progress=True)
         wall_short = time.perf_counter() - t0
         full, short = _rows(Path(tmp) / "full"), _rows(Path(tmp) / "short")
     assert set(full) == set(short)

@@ -90,7 +90,14 @@ def main() -> None:
     args = ap.parse_args()
 
     from lorapack import __version__
-    from lorapack.sweep import Shortcuts, early_stop_available, preset_grid, read_rows, run_sweep
+    from lorapack.sweep import (
+        Shortcuts,
+        SweepOptions,
+        early_stop_available,
+        preset_grid,
+        read_rows,
+        run_sweep,
+    )
 
     grid = preset_grid(args.preset)
     shortcuts = Shortcuts(early_stop=not args.no_early_stop, prune=not args.no_prune)
@@ -109,8 +116,8 @@ def main() -> None:
           f"pruning {'on' if shortcuts.prune else 'off'}, {args.workers or os.cpu_count()} workers")
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        summary = run_sweep(grid, Path(tmp) / "sweep", configs=sample, workers=args.workers,
-                            shortcuts=shortcuts, progress=True)
+        summary = run_sweep(grid, Path(tmp) / "sweep", SweepOptions(workers=args.workers, shortcuts=shortcuts),
+                            configs=sample, progress=True)
         wall = time.perf_counter() - t0
         rows = read_rows(Path(tmp) / "sweep").to_pylist()
     obtained = collections.Counter(r["obtained"] for r in rows)
@@ -156,13 +163,14 @@ def _write(args: argparse.Namespace, result: dict) -> None:
 def estimate(args: argparse.Namespace, grid, shortcuts) -> None:
     """``lorapack sweep --estimate`` on the preset; the result keeps the keys of the other samplings."""
     from lorapack import __version__
-    from lorapack.sweep import estimate_sweep, with_overrides
+    from lorapack.sweep import SweepOptions, estimate_sweep, with_overrides
     from lorapack.sweep.estimate import DEFAULT_SAMPLE_CONFIGS
 
     grid = with_overrides(grid, boundary_seeds=args.boundary_seeds)
     k = args.configs or DEFAULT_SAMPLE_CONFIGS
     load_before = os.getloadavg()
-    est = estimate_sweep(grid, workers=args.workers, shortcuts=shortcuts, sample_configs=k, progress=True)
+    est = estimate_sweep(grid, SweepOptions(workers=args.workers, shortcuts=shortcuts), sample_configs=k,
+                         progress=True)
     projection_s = est["projected_wall_s"]
     print(f"{args.preset}: {est['sample_configs']:,} configs in {est['sample_series']:,} whole series in "
           f"{est['sample_wall_s']:.1f} s ({est['sample_simulated']:,} simulated, {est['sample_pruned']:,} pruned, "

@@ -453,7 +453,7 @@ def test_generation_budget_stops_heavy_tails() -> None:
 
 def test_sweep_failure_leaves_no_store(tmp_path: Path, monkeypatch) -> None:
     """A sweep that fails before its first part leaves neither _sweep.json nor .lock nor its directory."""
-    from lorapack.sweep import load_grid, run_sweep
+    from lorapack.sweep import SweepOptions, load_grid, run_sweep
     from lorapack.sweep import runner as sweep_runner
 
     grid = tmp_path / "g.yaml"
@@ -465,10 +465,10 @@ def test_sweep_failure_leaves_no_store(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(sweep_runner, "execute", boom)
     with pytest.raises(RuntimeError, match="worker lost"):
-        run_sweep(load_grid(grid), tmp_path / "sw", workers=1)
+        run_sweep(load_grid(grid), tmp_path / "sw", SweepOptions(workers=1))
     assert not (tmp_path / "sw").exists()
     monkeypatch.undo()
-    summary = run_sweep(load_grid(grid), tmp_path / "sw", workers=1)  # starts afresh, no --resume needed
+    summary = run_sweep(load_grid(grid), tmp_path / "sw", SweepOptions(workers=1))  # starts afresh, no --resume needed
     assert summary["rows"] == 1 and sorted(p.name for p in (tmp_path / "sw").iterdir() if p.name[0] != "p") == [
         "_sweep.json"]
 

@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,8 +25,10 @@ from lorapack.sweep import (
     TIMING_COLUMNS,
     GridSpec,
     Shortcuts,
+    SweepOptions,
     build_units,
     enumerate_configs,
+    estimate_sweep,
     load_grid,
     preset_grid,
     read_meta,
@@ -219,7 +222,7 @@ def test_oom_rows_are_written_without_simulating(tmp_path):
         lengths: {{kind: fixed}}
         duration_s: 60
         """)
-    s = run_sweep(load_grid(grid), tmp_path / "out", workers=1)
+    s = run_sweep(load_grid(grid), tmp_path / "out", SweepOptions(workers=1))
     assert (s["rows"], s["simulated"], s["skipped_oom"]) == (2, 1, 1)
     rows = {r["adapter_slots"]: r for r in read_rows(tmp_path / "out").to_pylist()}
     oom = rows[big]
@@ -360,7 +363,7 @@ def test_request_cache_is_shared_read_only_and_changes_nothing(tmp_path):
 def test_resume_after_a_crash_gives_the_uninterrupted_rows(tmp_path):
     g = load_grid(write_grid(tmp_path))
     ref = tmp_path / "ref"
-    run_sweep(g, ref, workers=1)
+    run_sweep(g, ref, SweepOptions(workers=1))
     out = tmp_path / "out"
     seen = []
 
@@ -370,12 +373,12 @@ def test_resume_after_a_crash_gives_the_uninterrupted_rows(tmp_path):
             raise RuntimeError("simulated crash")
 
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run_sweep(g, out, workers=1, flush_rows=1, on_unit=crash)
+        run_sweep(g, out, SweepOptions(workers=1, flush_rows=1), on_unit=crash)
     partial = _comparable(out)
     assert 0 < len(partial) < g.size
     with pytest.raises(SpecError, match="already holds a sweep; pass --resume"):
-        run_sweep(g, out, workers=1)
-    s = run_sweep(g, out, workers=1, resume=True)
+        run_sweep(g, out, SweepOptions(workers=1))
+    s = run_sweep(g, out, SweepOptions(workers=1, resume=True))
     assert s["already_done"] == len(partial) and s["rows"] == g.size - len(partial)
     assert _comparable(out) == _comparable(ref)
     assert not list(out.glob(".*.tmp"))
@@ -383,11 +386,11 @@ def test_resume_after_a_crash_gives_the_uninterrupted_rows(tmp_path):
     assert meta["grid_hash"] == g.grid_hash() and meta["profile_hash"] == find_profile(LLAMA).file_hash()
     assert meta["twin_version"]
     # a finished sweep resumes to nothing; different settings are refused
-    assert run_sweep(g, out, workers=1, resume=True)["rows"] == 0
+    assert run_sweep(g, out, SweepOptions(workers=1, resume=True))["rows"] == 0
     with pytest.raises(SpecError, match="shortcuts differs"):
-        run_sweep(g, out, workers=1, resume=True, shortcuts=Shortcuts(prune=False))
+        run_sweep(g, out, SweepOptions(workers=1, resume=True, shortcuts=Shortcuts(prune=False)))
     with pytest.raises(SpecError, match="grid_hash differs"):
-        run_sweep(with_overrides(g, seed=4), out, workers=1, resume=True)
+        run_sweep(with_overrides(g, seed=4), out, SweepOptions(workers=1, resume=True))
 
 
 def test_resume_with_a_larger_limit_extends_the_prefix(tmp_path):
@@ -396,20 +399,20 @@ def test_resume_with_a_larger_limit_extends_the_prefix(tmp_path):
     five, twelve = select_configs(g, 5), select_configs(g, 12)
     assert 5 <= len(five) < len(twelve) and [c.config_id for c in twelve[: len(five)]] == [
         c.config_id for c in five]
-    assert run_sweep(g, out, workers=1, limit=5)["rows"] == len(five)
-    assert run_sweep(g, out, workers=1, limit=5, resume=True)["rows"] == 0  # the same selection: nothing left
-    s = run_sweep(g, out, workers=1, limit=12, resume=True)
+    assert run_sweep(g, out, SweepOptions(workers=1, limit=5))["rows"] == len(five)
+    assert run_sweep(g, out, SweepOptions(workers=1, limit=5, resume=True))["rows"] == 0  # the same selection: nothing left
+    s = run_sweep(g, out, SweepOptions(workers=1, limit=12, resume=True))
     assert (s["already_done"], s["rows"]) == (len(five), len(twelve) - len(five))
     assert set(_comparable(out)) == {c.config_id for c in twelve}
     # whole series, pruning included: the rows are those of an uninterrupted run of the same limit
-    run_sweep(g, tmp_path / "ref", workers=1, limit=12)
+    run_sweep(g, tmp_path / "ref", SweepOptions(workers=1, limit=12))
     assert _comparable(out) == _comparable(tmp_path / "ref")
 
 
 KILL_SCRIPT = """
 import sys
-from lorapack.sweep import Shortcuts, load_grid, run_sweep
-run_sweep(load_grid(sys.argv[1]), sys.argv[2], workers=2, flush_rows=1, flush_s=0.0)
+from lorapack.sweep import Shortcuts, SweepOptions, load_grid, run_sweep
+run_sweep(load_grid(sys.argv[1]), sys.argv[2], SweepOptions(workers=2, flush_rows=1, flush_s=0.0))
 """
 
 
@@ -469,12 +472,12 @@ def test_sigkill_of_the_main_process_alone_then_resume_gives_every_row_once(tmp_
             os.killpg(proc.pid, signal.SIGKILL)  # clean up whatever a failure left behind
     partial = _comparable(out)  # every part on disk is complete and readable
     assert 0 < len(partial) < g.size
-    s = run_sweep(g, out, workers=2, resume=True)  # no stale lock: nobody else holds OUT/.lock
+    s = run_sweep(g, out, SweepOptions(workers=2, resume=True))  # no stale lock: nobody else holds OUT/.lock
     assert s["already_done"] == len(partial) and s["rows_total"] == g.size
     ids = [r["config_id"] for r in read_rows(out).to_pylist()]
     assert len(ids) == g.size == len(set(ids))  # every row exactly once
     ref = tmp_path / "ref"
-    run_sweep(g, ref, workers=1)
+    run_sweep(g, ref, SweepOptions(workers=1))
     assert _comparable(out) == _comparable(ref)
     assert not list(out.glob(".*.tmp"))
 
@@ -488,12 +491,12 @@ def test_local_and_ray_backends_give_identical_rows(tmp_path):
     # no skip: `make setup` installs the ray extra, and CI (`make test-slow`) must run this against a local Ray
     # instance
     g = load_grid(write_grid(tmp_path))
-    run_sweep(g, tmp_path / "local", backend="local", workers=2)
-    s = run_sweep(g, tmp_path / "ray", backend="ray", workers=2)
+    run_sweep(g, tmp_path / "local", SweepOptions(backend="local", workers=2))
+    s = run_sweep(g, tmp_path / "ray", SweepOptions(backend="ray", workers=2))
     assert s["rows"] == g.size and s["backend"] == "ray"
     assert _comparable(tmp_path / "ray") == _comparable(tmp_path / "local")
     # the inline path (one worker) too
-    run_sweep(g, tmp_path / "inline", workers=1)
+    run_sweep(g, tmp_path / "inline", SweepOptions(workers=1))
     assert _comparable(tmp_path / "inline") == _comparable(tmp_path / "local")
 
 
@@ -543,10 +546,25 @@ def test_cli_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys, args, me
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"backend": "spark"}, "--backend spark: expected one of local, ray"),
+    ({"workers": -1}, "--workers -1: expected an integer >= 0"),
+    ({"address": "1.2.3.4:6379"}, "--address is only used with --backend ray"),
+    ({"limit": 0}, "--limit 0: expected an integer >= 1"),
+])
+def test_sweep_options_check_themselves_with_the_flags_messages(tmp_path, kwargs, message):
+    """``SweepOptions`` (what ``run_sweep`` and ``estimate_sweep`` take) refuses bad options when made."""
+    with pytest.raises(SpecError, match=re.escape(message)):
+        SweepOptions(**kwargs)
+    assert SweepOptions(backend="ray", address="1.2.3.4:6379").address == "1.2.3.4:6379"  # checked, not connected
+    with pytest.raises(SpecError, match="does not combine with --resume"):
+        estimate_sweep(load_grid(write_grid(tmp_path)), SweepOptions(resume=True))
+
+
 def test_cli_existing_sweep_needs_resume_subprocess(tmp_path):
     grid = write_grid(tmp_path)
     out = tmp_path / "o"
-    run_sweep(load_grid(grid), out, workers=1, limit=2)
+    run_sweep(load_grid(grid), out, SweepOptions(workers=1, limit=2))
     p = subprocess.run([sys.executable, "-m", "lorapack.cli", "sweep", str(grid), "--out", str(out)],
                        capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 2
@@ -574,8 +592,8 @@ def test_two_sweeps_cannot_write_one_directory(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     with lock_dir(out), pytest.raises(SpecError, match="another sweep is writing to this directory"):
-        run_sweep(g, out, workers=1, resume=True)
-    assert run_sweep(g, out, workers=1, resume=True)["rows"] == g.size  # the lock is gone with its holder
+        run_sweep(g, out, SweepOptions(workers=1, resume=True))
+    assert run_sweep(g, out, SweepOptions(workers=1, resume=True))["rows"] == g.size  # the lock is gone with its holder
 
 
 # ---- placement.md §3.3 additions: rate laws, padding, boundary seeds, placement-like sets ----

@@ -13,6 +13,7 @@ import pytest
 
 from data_helpers import run_main
 from lorapack.sweep import (
+    SweepOptions,
     enumerate_configs,
     estimate_sweep,
     group_series,
@@ -159,7 +160,7 @@ def test_estimate_text_with_two_workers_and_a_limit(tmp_path, monkeypatch, capsy
 def test_estimate_of_the_whole_grid_is_its_own_run(tmp_path, monkeypatch):
     _no_leftovers(monkeypatch, tmp_path)
     g = load_grid(write_grid(tmp_path))
-    est = estimate_sweep(g, workers=1, sample_configs=10_000)
+    est = estimate_sweep(g, SweepOptions(workers=1), sample_configs=10_000)
     assert est["sample_configs"] == est["total_configs"] == g.size
     assert est["projected_wall_s_se"] == 0.0
     # a census: the projection is the measured run plus selecting the grid (well under a second here)

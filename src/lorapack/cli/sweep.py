@@ -56,7 +56,7 @@ def sweep(
     """Run the twin over a grid of configurations and append one row per config to Parquet parts in --out.
 
     --estimate instead times a sample of whole N-series (nothing written) and projects this sweep's wall time."""
-    from ..sweep import Shortcuts, grid_yaml, load_grid, preset_grid, run_sweep, with_overrides
+    from ..sweep import Shortcuts, SweepOptions, grid_yaml, load_grid, preset_grid, run_sweep, with_overrides
 
     if (grid is None) == (preset is None):
         raise SpecError("give exactly one of GRID (a YAML file) or --preset NAME (paper-llama, paper-qwen)")
@@ -81,11 +81,12 @@ def sweep(
         raise SpecError(f"--early-stop-tests {early_stop_tests}: expected a comma list of certain, likely, healthy")
     shortcuts = Shortcuts(early_stop=early_stop, certain="certain" in tests, likely="likely" in tests,
                           healthy="healthy" in tests, prune=prune)
+    options = SweepOptions(backend=backend, address=address, workers=workers, limit=limit, resume=resume,
+                           shortcuts=shortcuts, limits=limits(force))
     if estimate:  # --out, if given, is left alone
-        _estimate(spec, backend, address, workers, limit, shortcuts, estimate_configs, force, json_out)
+        _estimate(spec, options, estimate_configs, json_out)
         return
-    summary = run_sweep(spec, out, backend=backend, address=address, workers=workers, limit=limit,
-                        resume=resume, shortcuts=shortcuts, progress=not json_out, limits=limits(force))
+    summary = run_sweep(spec, out, options, progress=not json_out)
     if json_out:
         print_json(summary)
         return
@@ -99,14 +100,12 @@ def sweep(
         console.print("note: this twin has no early termination; every simulated row is a full run.")
 
 
-def _estimate(spec, backend: str, address: str | None, workers: int, limit: int | None, shortcuts,
-              sample_configs: int | None, force: bool, json_out: bool) -> None:
+def _estimate(spec, options, sample_configs: int | None, json_out: bool) -> None:
     """``--estimate``: a timed sample in a temporary directory, then the projection (``sweep.estimate``)."""
     from ..sweep.estimate import DEFAULT_SAMPLE_CONFIGS, estimate_sweep
 
-    est = estimate_sweep(spec, backend=backend, address=address, workers=workers, limit=limit, shortcuts=shortcuts,
-                         sample_configs=sample_configs or DEFAULT_SAMPLE_CONFIGS, progress=not json_out,
-                         limits=limits(force))
+    est = estimate_sweep(spec, options, sample_configs=sample_configs or DEFAULT_SAMPLE_CONFIGS,
+                         progress=not json_out)
     if json_out:
         print_json(est)
         return
@@ -114,7 +113,7 @@ def _estimate(spec, backend: str, address: str | None, workers: int, limit: int 
     opts = (f"{est['workers']} worker{'s' if est['workers'] != 1 else ''} ({est['backend']}), early stop "
             f"{'on' if est['early_stop_active'] else 'off'}, pruning {'on' if sc['prune'] else 'off'}, "
             f"boundary seeds {est['boundary_seeds']}")
-    what = f"--limit {limit}: " if limit is not None else ""
+    what = f"--limit {est['limit']}: " if est["limit"] is not None else ""
     load = max(est["load_avg_before"][0], est["load_avg_after"][0])
     console.print(f"[bold]{spec.name}[/bold]: projected wall time {_duration(est['projected_wall_s'])} "
                   f"(± {_duration(est['projected_wall_s_se'], est['projected_wall_s'])} sampling error) for {what}"

@@ -2,11 +2,15 @@
 
 API::
 
-    from lorapack.sweep import load_grid, preset_grid, run_sweep, read_rows, Shortcuts
+    from lorapack.sweep import load_grid, preset_grid, run_sweep, read_rows, Shortcuts, SweepOptions
     grid = preset_grid("paper-llama")            # or load_grid("grid.yaml")
-    summary = run_sweep(grid, "out/", workers=0, limit=1000, resume=True, shortcuts=Shortcuts(prune=True))
+    opts = SweepOptions(workers=0, limit=1000, resume=True, shortcuts=Shortcuts(prune=True))
+    summary = run_sweep(grid, "out/", opts)
     table = read_rows("out/")                    # pyarrow.Table, one row per config
-    est = estimate_sweep(grid, workers=2)        # a timed sample of whole N-series -> est["projected_wall_s"]
+    est = estimate_sweep(grid, SweepOptions(workers=2))  # a timed sample of whole N-series -> est["projected_wall_s"]
+
+``SweepOptions`` (backend, address, workers, limit, resume, shortcuts, limits, flush_rows, flush_s) checks itself
+when made, with the CLI flags' messages.
 
 ``limit=K`` (``--limit K``) takes whole N-series, in a seeded shuffle of the series, until at least K configs.
 
@@ -33,7 +37,7 @@ from .grid import (
     shuffled_series,
     with_overrides,
 )
-from .runner import build_units, run_sweep
+from .runner import SweepOptions, build_units, run_sweep
 from .store import COLUMNS, SCHEMA, TIMING_COLUMNS, read_meta, read_rows
 from .work import Shortcuts, WorkUnit, early_stop_available, run_unit
 
@@ -46,6 +50,7 @@ __all__ = [
     "GridSpec",
     "Shortcuts",
     "SweepConfig",
+    "SweepOptions",
     "WorkUnit",
     "build_units",
     "early_stop_available",

@@ -39,13 +39,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checks import check_workers
 from ..errors import SpecError
-from ..executor import BACKENDS, default_workers
+from ..executor import default_workers
 from ..guards import Limits
 from ..profile import Profile, find_profile
 from .grid import BOUNDARY_SEED_STRIDE, GridSpec, SweepConfig, shuffled_series, take_series
-from .runner import build_batches, build_units, check_resources, run_sweep
+from .runner import SweepOptions, build_batches, build_units, check_resources, run_sweep
 from .work import REQUEST_CACHE_BUDGET, Shortcuts, WorkUnit, arrivals_group, arrivals_key, oom_row
 
 # 1,500 configs of paper-llama (~260 whole series) take ~35 s on 2 idle cores, ~90 s on 2 busy ones; the
@@ -161,23 +160,19 @@ def _seconds_per_oom_row(configs: list[SweepConfig], profile: Profile) -> float:
     return (time.perf_counter() - t0) / len(configs)
 
 
-def estimate_sweep(grid: GridSpec, *, backend: str = "local", address: str | None = None, workers: int = 0,
-                   limit: int | None = None, shortcuts: Shortcuts = Shortcuts(),
-                   sample_configs: int = DEFAULT_SAMPLE_CONFIGS, progress: bool = False,
-                   limits: Limits | None = None) -> dict:
+def estimate_sweep(grid: GridSpec, options: SweepOptions = SweepOptions(),
+                   sample_configs: int = DEFAULT_SAMPLE_CONFIGS, progress: bool = False) -> dict:
     """Run a sample of whole N-series of ``grid`` (``sample_configs`` configs or a few more) as ``run_sweep``
-    would, in a temporary directory, and project the wall time of the sweep with the same options (``limit``:
-    of that limited sweep). Returns a dict (``lorapack sweep --estimate --json``); writes nothing."""
+    would, in a temporary directory, and project the wall time of the sweep with the same ``options``
+    (``SweepOptions``; ``limit``: of that limited sweep; ``resume`` is refused: the projection is of a whole
+    sweep). Returns a dict (``lorapack sweep --estimate --json``); writes nothing."""
     t_start = time.perf_counter()
-    if backend not in BACKENDS:
-        raise SpecError(f"--backend {backend}: expected one of {', '.join(BACKENDS)}")
-    check_workers(workers)
-    if backend == "local" and address is not None:
-        raise SpecError("--address is only used with --backend ray")
     if isinstance(sample_configs, bool) or not isinstance(sample_configs, int) or sample_configs < 1:
         raise SpecError(f"--estimate-configs {sample_configs}: expected an integer >= 1")
-    if limit is not None and (isinstance(limit, bool) or limit < 1):
-        raise SpecError(f"--limit {limit}: expected an integer >= 1")
+    if options.resume:
+        raise SpecError("--estimate projects a whole sweep; it does not combine with --resume")
+    backend, workers, limit, shortcuts, limits = (options.backend, options.workers, options.limit, options.shortcuts,
+                                                  options.limits)
     profile = find_profile(grid.model, grid.gpu)
 
     # the full selection as run_sweep makes it (with --limit: its prefix of whole series)
@@ -227,9 +222,8 @@ def estimate_sweep(grid: GridSpec, *, backend: str = "local", address: str | Non
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="lorapack-estimate-") as tmp:
         t_run = time.perf_counter()
-        summary = run_sweep(grid, Path(tmp) / "sample", backend=backend, address=address, workers=workers,
-                            shortcuts=shortcuts, configs=sample_cfgs, progress=progress, on_unit=on_unit,
-                            limits=limits, timings=timings, timed=True)
+        summary = run_sweep(grid, Path(tmp) / "sample", options, configs=sample_cfgs, progress=progress,
+                            on_unit=on_unit, timings=timings, timed=True)
     sample_cpu_s = _cpu_s() - cpu0 if backend == "local" else None  # Ray's workers are not our children
     load_after = os.getloadavg()
     sample_wall_s = summary["wall_s"]

@@ -7,10 +7,11 @@ import datetime as _dt
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..checks import check_output_dir, check_workers
+from ..checks import check_limit, check_output_dir, check_workers
 from ..errors import SpecError
 from ..executor import BACKENDS, Executor, RaySession, default_workers
 from ..fingerprint import twin_fingerprint
@@ -43,6 +44,35 @@ from .work import (
 
 FLUSH_ROWS = 2000
 FLUSH_S = 20.0
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """How a sweep runs (``run_sweep``, ``estimate_sweep``; ``lorapack sweep``'s flags), checked when made.
+
+    ``backend``/``address``/``workers``: the executor (``lorapack.executor``; ``address`` only with ``ray``,
+    ``workers`` 0 = all cores); ``limit``: whole N-series of the grid's seeded shuffle until at least K configs
+    (``grid.select_configs``); ``resume``: continue the sweep already in the output directory; ``shortcuts``:
+    early stop and N-series pruning; ``limits``: resource limits per config (``guards``; None = the defaults);
+    ``flush_rows``/``flush_s``: a Parquet part after this many rows or seconds (whole units only)."""
+
+    backend: str = "local"
+    address: str | None = None
+    workers: int = 0
+    limit: int | None = None
+    resume: bool = False
+    shortcuts: Shortcuts = field(default_factory=Shortcuts)
+    limits: Limits | None = None
+    flush_rows: int = FLUSH_ROWS
+    flush_s: float = FLUSH_S
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise SpecError(f"--backend {self.backend}: expected one of {', '.join(BACKENDS)}")
+        check_workers(self.workers)
+        if self.backend == "local" and self.address is not None:
+            raise SpecError("--address is only used with --backend ray")
+        check_limit(self.limit)
 
 
 def check_resources(configs: list[SweepConfig], profile: Profile, limits: Limits | None = None) -> None:
@@ -140,13 +170,12 @@ def sweep_meta(grid: GridSpec, profile: Profile, shortcuts: Shortcuts) -> dict:
     }
 
 
-def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", address: str | None = None,
-              workers: int = 0, limit: int | None = None, resume: bool = False,
-              shortcuts: Shortcuts = Shortcuts(), configs: list[SweepConfig] | None = None,
-              progress: bool = False, flush_rows: int = FLUSH_ROWS, flush_s: float = FLUSH_S,
-              on_unit: Callable[[WorkUnit, list[dict]], None] | None = None, limits: Limits | None = None,
-              timings: dict | None = None, timed: bool = False) -> dict:
-    """Run (or continue) a sweep of ``grid`` into ``out``; returns the summary dict.
+def run_sweep(grid: GridSpec, out: str | Path, options: SweepOptions = SweepOptions(),
+              configs: list[SweepConfig] | None = None, progress: bool = False,
+              on_unit: Callable[[WorkUnit, list[dict]], None] | None = None, timings: dict | None = None,
+              timed: bool = False) -> dict:
+    """Run (or continue) a sweep of ``grid`` into ``out`` as ``options`` say (``SweepOptions``: backend,
+    workers, limit, resume, shortcuts, limits, flushing); returns the summary dict.
 
     ``configs`` replaces the grid's selection (benches and ``--estimate`` use it to run a sample); ``limit``
     takes whole N-series of the grid's fixed seeded shuffle of series until at least K configs
@@ -162,11 +191,9 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
     must fit ``limits`` (``guards``). A sweep that fails before writing its first part removes what it
     created (``_sweep.json``, the directory), so the next run starts afresh instead of asking for --resume.
     """
-    if backend not in BACKENDS:
-        raise SpecError(f"--backend {backend}: expected one of {', '.join(BACKENDS)}")
-    check_workers(workers)
-    if backend == "local" and address is not None:
-        raise SpecError("--address is only used with --backend ray")
+    backend, address, workers, limit, resume = (options.backend, options.address, options.workers, options.limit,
+                                                options.resume)
+    shortcuts, limits, flush_rows, flush_s = options.shortcuts, options.limits, options.flush_rows, options.flush_s
     t0 = time.perf_counter()
     out = Path(out)
     profile = find_profile(grid.model, grid.gpu)
@@ -304,4 +331,4 @@ def run_sweep(grid: GridSpec, out: str | Path, *, backend: str = "local", addres
         }
 
 
-__all__ = ["build_batches", "build_units", "read_rows", "run_sweep", "sweep_meta"]
+__all__ = ["SweepOptions", "build_batches", "build_units", "read_rows", "run_sweep", "sweep_meta"]
