@@ -577,10 +577,12 @@ def test_cli_unreachable_ray_address_fails_fast(tmp_path, monkeypatch, capsys):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    t0 = time.monotonic()
+    ray = pytest.importorskip("ray")
+    # fast = refused before Ray is asked to connect (Ray itself retries for minutes); no wall-clock assertion
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init called for an unreachable address"))
     code, _, err = run_main(monkeypatch, capsys, "sweep", str(write_grid(tmp_path)), "--out", str(tmp_path / "x"),
                         "--backend", "ray", "--address", f"127.0.0.1:{port}")
-    assert code == 2 and time.monotonic() - t0 < 30
+    assert code == 2
     assert err.count("\n") == 1 and f"--address 127.0.0.1:{port}: cannot reach a Ray cluster there" in err
     assert not (tmp_path / "x").exists()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from pathlib import Path
 
 import numpy as np
@@ -651,18 +650,13 @@ def test_azure_conv_replay(azure_conv: Path) -> None:
 
 
 @pytest.mark.slow
-def test_generation_speed() -> None:
-    """1.3 M Poisson arrivals over 384 adapters: target well under 0.3 s (generous bound here for CI noise)."""
+def test_generation_at_the_largest_scale() -> None:
+    """1.3 M Poisson arrivals over 384 adapters: the count (its speed is measured by bench/workload_speed.py,
+    not asserted here: no test may depend on the machine being idle)."""
     rate_rps = 1.3e6 / 3600 / 384
     w = _workload([rate_rps] * 384, lengths=LengthsSpec(kind="fixed"))
-    generate_requests(w, 3600.0, 0)
-    best = math.inf
-    for seed in range(3):
-        t0 = time.perf_counter()
-        req = generate_requests(w, 3600.0, seed)
-        best = min(best, time.perf_counter() - t0)
+    req = generate_requests(w, 3600.0, 0)
     assert abs(len(req) - 1.3e6) < 6000
-    assert best < 1.0, f"generation took {best:.3f} s"
 
 
 # ---- issue 26 item 8: a rank vLLM cannot serve is a workload error with its file and line ---------------
