@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-real testbed lint profiles bench models evaluate clean
+.PHONY: setup demo test test-slow test-real testbed lint profiles bench models evaluate drift clean
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (set PY=python3.x, x >= 11)"; exit 2; }
@@ -53,6 +53,10 @@ evaluate: $(STAMP)
 		studies/evaluate/qwen.yaml studies/evaluate/qwen-throughput.yaml \
 		--out results/evaluate --jobs 2 --workers 1 $(EVALUATE_ARGS)
 	$(BIN)/python scripts/evaluation_doc.py results/evaluate
+
+# evaluation over time (issue 25): docs/replan.md "Evaluation over time" (<= 30 min on 2 cores)
+drift: $(STAMP)
+	nice -n 10 $(BIN)/lorapack evaluate studies/evaluate/drift.yaml --out results/drift --workers 2
 
 bench: $(STAMP)
 	$(BIN)/python bench/twin_speed.py

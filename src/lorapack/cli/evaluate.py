@@ -102,12 +102,21 @@ def evaluate(
             sc = next(s for s in scs if (s.model, s.gpu, s.profile_file) == key)
             apply_vllm_version(load_scenario_profile(sc), vllm_version)
         scs = [replace(s, vllm_version=vllm_version) for s in scs]
-    names = [s.name for s in scs]
+    # drift scenarios (a 'drift' block) run after the others, one at a time (lorapack.evaluate.drift)
+    drift_scs = [s for s in scs if s.drift is not None]
+    scs = [s for s in scs if s.drift is None]
+    if drift_scs and meths is not None:
+        if len(meths) != 1:
+            raise SpecError(f"--methods {methods}: a drift scenario plans every policy with one method; expected one")
+        drift_scs = [replace(s, methods=meths) for s in drift_scs]
+    names = [s.name for s in scs + drift_scs]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise SpecError(f"two scenarios are named {dup!r}; give the scenario files distinct 'name' fields")
 
-    n_units = sum(len(meths or s.methods or placer.methods()) for s in scs)
+    from ..evaluate.drift import DriftRun, drift_units, evaluate_drift
+
+    n_units = sum(len(meths or s.methods or placer.methods()) for s in scs) + sum(drift_units(s) for s in drift_scs)
     from ..twin.engine import warm_up
 
     warm_up()
@@ -132,7 +141,12 @@ def evaluate(
             if task is not None:
                 bar.update(task, description=text, advance=done)
 
-        if jobs > 1:
+        if not scs:
+            from ..evaluate.runner import RESULTS_FORMAT, SMALLEST_POOL_PROTOCOL
+
+            doc = {"format": RESULTS_FORMAT, "smallest_pool_protocol": SMALLEST_POOL_PROTOCOL, "scenarios": [],
+                   "max_pack": [], "skipped": [], "budget_s": budget_s, "wall_s": 0.0}
+        elif jobs > 1:
             from ..evaluate.jobs import evaluate_parallel
 
             def on_group(d: dict) -> None:
@@ -148,6 +162,22 @@ def evaluate(
             with replay_executor(workers_n) as ex:
                 doc = evaluate_scenarios(scs, placer, meths, Budget(budget_s), ExecutorMapper(ex), on_step=on_step,
                                          on_scenario=on_scenario, keep_plans=out is not None)
+        if drift_scs:
+            import time
+
+            t_drift = time.perf_counter()
+            partial["drift"] = []
+
+            def on_drift(entry: dict) -> None:
+                partial["drift"].append({k: v for k, v in entry.items() if k != "plans"})
+                if out is not None:
+                    write_results(partial, out)
+
+            with replay_executor(workers_n) as ex:
+                doc["drift"] = evaluate_drift(drift_scs, DriftRun(workers=workers_n, mapper=ExecutorMapper(ex),
+                                                                  on_step=on_step, keep_plans=out is not None),
+                                              on_drift)
+            doc["wall_s"] = doc.get("wall_s", 0.0) + time.perf_counter() - t_drift
     files = write_outputs(doc, out) if out is not None else {}
     if json_out:
         payload = contract_json(doc)
@@ -166,7 +196,14 @@ def evaluate(
 
 
 def _print_tables(doc: dict) -> None:
+    from ..evaluate.drift import drift_table, per_window_table
     from ..evaluate.report import load_text, summary_markdown
+
+    for entry in doc.get("drift", []):
+        console.print(f"{entry['name']} (drift, {len(entry['windows'])} windows, method {entry['method']}, "
+                      f"{entry['wall_s']:,.0f} s)", markup=False)
+        console.print(drift_table(entry), markup=False)
+        console.print(per_window_table(entry), markup=False)
 
     for sc in doc["scenarios"]:
         s, w = sc["scenario"], sc["workload"]

@@ -43,7 +43,12 @@ def contract_json(doc: dict[str, Any]) -> dict[str, Any]:
                 "objective": sc["scenario"]["objective"], "lower_bound_gpus": sc["lower_bound_gpus"],
                 "aggregate_rate_rps": sc["workload"]["aggregate_rate_rps"], "methods": methods}
         out.append(item)
-    return json_safe({"scenarios": out, "skipped": doc.get("skipped", []), "summary": acceptance(doc)})
+    payload: dict[str, Any] = {"scenarios": out, "skipped": doc.get("skipped", []), "summary": acceptance(doc)}
+    if doc.get("drift"):  # drift scenarios: per policy its totals (per-window rows in results.json)
+        payload["drift"] = [{"name": e["name"], "method": e["method"], "acceptance": e["acceptance"],
+                             "policies": {n: {k: v for k, v in p.items() if k != "per_window"}
+                                          for n, p in e["policies"].items()}} for e in doc["drift"]]
+    return json_safe(payload)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -579,11 +584,25 @@ def write_outputs(doc: dict[str, Any], out_dir: Path) -> dict[str, str]:
             d = out_dir / "plans" / _slug(sc["name"])
             d.mkdir(parents=True, exist_ok=True)
             write_text_atomic(d / f"{_slug(method)}-{protocol}.json", json.dumps(plan, indent=1) + "\n")
+    from .drift import drift_figures, drift_report
+
+    for entry in doc.get("drift", []):  # plans/<scenario>/<policy>-window<w>.json
+        for key, plan in (entry.get("plans") or {}).items():
+            policy, window = key.split("/")
+            d = out_dir / "plans" / _slug(entry["name"])
+            d.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(d / f"{_slug(policy)}-{window}.json", json.dumps(plan, indent=1) + "\n")
     slim = {**doc, "scenarios": [{k: v for k, v in sc.items() if k != "plans"} for sc in doc["scenarios"]]}
+    if doc.get("drift"):
+        slim["drift"] = [{k: v for k, v in e.items() if k != "plans"} for e in doc["drift"]]
     results = write_results(slim, out_dir)
-    figures = plot_figures(slim, out_dir)
+    placed = bool(slim["scenarios"]) or not slim.get("drift")  # a drift-only run has no placement tables
+    figures = plot_figures(slim, out_dir) if placed else []
     report = out_dir / "report.md"
-    write_text_atomic(report, render_report(slim, figures))
+    text = render_report(slim, figures) if placed else "# lorapack evaluate report\n"
+    if slim.get("drift"):
+        text += "\n" + drift_report(slim, drift_figures(slim, out_dir))
+    write_text_atomic(report, text)
     return {"results": str(results), "report": str(report), "figures": str(out_dir / "figures")}
 
 

@@ -30,6 +30,7 @@ Every field marked *axis* takes one value or a list; the scenarios are the cross
     seed: 0                           # axis: workload derivation seed(s)
     replay_seed: 0                    # routing draws of split adapters
     max_pack: true                    # compute the single-GPU Max_pack curve of each workload
+    drift: {windows: 8, ...}          # evaluation over consecutive windows instead (``drift_spec``, ``drift``)
 
 Errors are one line with ``file:line`` (``lorapack.spec.validate_yaml_file``).
 """
@@ -51,6 +52,7 @@ from ..objective import Objective
 from ..spec import FIELD_MODELS, FrozenModel, finite_nonnegative, finite_positive, reject_bool
 from ..textfiles import validate_yaml_file
 from ..workload.derive import DEFAULT_JITTER_S, DEFAULT_SPLIT_S, PROTOCOLS, AdapterWeights, parse_weights
+from .drift_spec import DriftSpec
 
 SHIPPED_TRACES = {"azure-conv": "azure-llm-2023-conv.csv", "azure-code": "azure-llm-2023-code.csv"}
 SHIPPED_MAX_LOAD_SCALE = 30.0  # ×30 on the conversation trace ≈ 166 req/s, the paper's ×100 on 1.65 req/s
@@ -112,6 +114,7 @@ class ScenarioFile(FrozenModel):
     seed: list[int] = Field(default_factory=lambda: [0], min_length=1)
     replay_seed: int = 0
     max_pack: bool = True
+    drift: DriftSpec | None = None
 
     _lists = field_validator("model", "n_adapters", "weights", "load_scale", "objective", "seed",
                              mode="before")(_as_list)
@@ -218,6 +221,14 @@ class ScenarioFile(FrozenModel):
     def _model_or_profile(self) -> ScenarioFile:
         if self.profile is not None and "model" in self.model_fields_set:
             raise ValueError("give either 'model' or 'profile', not both")
+        if self.drift is not None:  # windows come from the drift block; no pool protocol, no split replicas
+            unused = [k for k in ("windows", "fixed_pool", "max_pack") if k in self.model_fields_set]
+            if unused:
+                raise ValueError(f"drift: '{unused[0]}' is not used by a drift scenario; remove it")
+            if self.split_hot:
+                raise ValueError("drift: expected split_hot false (a re-plan keeps the previous plan's splits)")
+            if self.methods is not None and len(self.methods) != 1:
+                raise ValueError("drift: expected one method (every policy plans with it)")
         return self
 
 
@@ -252,6 +263,7 @@ class Scenario:
     max_pack: bool
     verify_arrivals: str = "estimation"
     vllm_version: str | None = None  # ``evaluate --vllm-version``: overrides the profile's (its rule set)
+    drift: DriftSpec | None = None  # a drift scenario (``lorapack.evaluate.drift``)
 
     @property
     def objective_label(self) -> str:
@@ -272,6 +284,7 @@ class Scenario:
             "windows": {"protocol": self.protocol, "split_s": self.split_s, "jitter_s": self.jitter_s},
             "fixed_pool": self.fixed_pool, "objective": self.objective_label, "headroom": self.headroom,
             "verify": self.verify, "verify_arrivals": self.verify_arrivals, "split_hot": self.split_hot, "seed": self.seed, "replay_seed": self.replay_seed,
+            **({"drift": self.drift.model_dump()} if self.drift is not None else {}),
         }
 
 
@@ -323,7 +336,7 @@ def load_scenarios(path: str | Path) -> list[Scenario]:
     file = str(path)
     spec, lines = validate_yaml_file(path, ScenarioFile, "n_adapters (and optional trace, model, weights, "
                                                          "load_scale, ranks, windows, fixed_pool, objective, ...)",
-                                     FIELD_MODELS)
+                                     {**FIELD_MODELS, "drift": DriftSpec})
 
     def at(key: str) -> str:
         return f"{file}:{lines.get((key,), 1)}: {key}"
@@ -366,7 +379,15 @@ def load_scenarios(path: str | Path) -> list[Scenario]:
         except SpecError as exc:
             raise SpecError(f"{at('methods')}: {exc}") from None
 
-    if spec.windows.protocol == "E1":
+    if spec.drift is not None:
+        from ..workload.derive import trace_span_s
+
+        span = trace_span_s(load_trace(trace_path))
+        if spec.drift.end_s() > span:
+            raise SpecError(f"{at('drift')}: {spec.drift.windows} windows of {spec.drift.window_s:g} s from "
+                            f"{spec.drift.start_s:g} s end at {spec.drift.end_s():g} s, past the trace's {span:g} s; "
+                            f"expected fewer or shorter windows")
+    elif spec.windows.protocol == "E1":
         from ..workload.derive import trace_span_s
 
         span = trace_span_s(load_trace(trace_path))
@@ -401,6 +422,6 @@ def load_scenarios(path: str | Path) -> list[Scenario]:
             objective=obj_name, objective_limits=limits,
             methods=tuple(spec.methods) if spec.methods is not None else None, headroom=spec.headroom,
             verify=spec.verify, split_hot=spec.split_hot, seed=seed, replay_seed=spec.replay_seed,
-            max_pack=spec.max_pack, verify_arrivals=spec.verify_arrivals))
+            max_pack=spec.max_pack and spec.drift is None, verify_arrivals=spec.verify_arrivals, drift=spec.drift))
     assert all(p in PROTOCOLS for p in (s.protocol for s in out))
     return out
