@@ -243,7 +243,7 @@ def test_pruning_fills_the_series_after_two_starving_points_or_one_clear_one(tmp
     prof = find_profile(LLAMA)
     units = build_units(enumerate_configs(g), prune=True)
     assert len(units) == 1 and [c.served_adapters for c in units[0].configs] == [8, 16, 32, 64, 96]
-    pruned = run_unit(units[0], prof, Shortcuts(early_stop=False, prune_clear_ratio=clear_ratio))
+    pruned = run_unit(units[0], prof, Shortcuts(early_stop=False, prune_clear_ratio=clear_ratio, prune_next_load=0.0))
     full = [r for u in build_units(enumerate_configs(g), prune=False)
             for r in run_unit(u, prof, Shortcuts(early_stop=False, prune=False))]
     full.sort(key=lambda r: r["served_adapters"])
@@ -268,9 +268,9 @@ def test_pruning_fills_the_series_after_two_starving_points_or_one_clear_one(tmp
     ([0.95, 0.7, 0.95, 0.5, 0.5], 2),  # a clear one (< 0.8): pruned at once
 ])
 def test_only_a_clearly_starving_point_prunes_alone(monkeypatch, ratios, simulated):
-    """The clear-starvation margin is what keeps pruned rows right: a starving point near the 0.9 boundary may
-    be noise (a larger N was seen to recover only from there), so it must not prune alone. Raising
-    PRUNE_CLEAR_RATIO to 0.85 or more fails this test."""
+    """Without the next-load rule (``prune_next_load=0``) the clear-starvation margin is what keeps pruned rows
+    right: a starving point near the 0.9 boundary must not prune alone. Raising PRUNE_CLEAR_RATIO to 0.85 or
+    more fails this test."""
     import lorapack.sweep.work as work
 
     g = GridSpec(model=LLAMA, rate_tuples=[[0.4, 0.1, 0.05]], rank_tuples=[[8, 8, 16]],
@@ -286,11 +286,55 @@ def test_only_a_clearly_starving_point_prunes_alone(monkeypatch, ratios, simulat
 
     monkeypatch.setattr(work, "simulate_config", scripted)
     monkeypatch.setattr(work, "config_requests", lambda cfg, limits=None: None)
+    sc = Shortcuts(prune_next_load=0.0)
+    rows = run_unit(build_units(enumerate_configs(g), prune=True)[0], prof, sc)
+    assert ran == [8, 16, 32, 64, 96][:simulated]
+    assert [r["obtained"] for r in rows[simulated:]] == ["pruned"] * (5 - simulated)
+    again = run_unit(build_units(enumerate_configs(g), prune=True)[0], prof, sc)
+    assert [r["obtained"] for r in again] == [r["obtained"] for r in rows]  # deterministic
+
+
+@pytest.mark.parametrize("loads, simulated", [
+    ([1, 2, 4, 8, 12], 2),  # the next N offers 2x: the marginal starving point at N = 16 prunes alone
+    ([1, 2, 2.2, 4, 6], 3),  # ... 1.1x (< PRUNE_NEXT_LOAD): the next one runs, then two in a row prune
+    ([1, 2, 0.05, 4, 6], 3),  # a padded / redrawn next point offering less: it runs (it may recover)
+])
+def test_a_starving_point_prunes_alone_when_the_next_offers_more(monkeypatch, loads, simulated):
+    """A starving point prunes the rest of its series when the next N offers >= PRUNE_NEXT_LOAD x its tokens
+    (analytic: ``offered_tok_s``); every recovery seen in full sweeps followed a point offering far less."""
+    import lorapack.sweep.work as work
+    from lorapack.sweep.work import PRUNE_NEXT_LOAD
+
+    assert 1.1 < PRUNE_NEXT_LOAD <= 1.2  # a paper grid's next N offers >= 1.19x
+    g = GridSpec(model=LLAMA, rate_tuples=[[0.4, 0.1, 0.05]], rank_tuples=[[8, 8, 16]],
+                 served_adapters=[8, 16, 32, 64, 96], adapter_slots=[8], lengths={"kind": "fixed"}, duration_s=120)
+    prof = find_profile(LLAMA)
+    ratios = dict(zip([8, 16, 32, 64, 96], [0.95, 0.85, 0.88, 0.5, 0.5], strict=True))
+    load = dict(zip([8, 16, 32, 64, 96], loads, strict=True))
+    ran = []
+
+    def scripted(cfg, profile, shortcuts, limits=None, req=None):
+        ran.append(cfg.served_adapters)
+        ratio = ratios[cfg.served_adapters]
+        return {"starved": ratio < 0.9, "throughput_ratio": ratio, "obtained": "full", "wall_s": 0.0}
+
+    monkeypatch.setattr(work, "simulate_config", scripted)
+    monkeypatch.setattr(work, "config_requests", lambda cfg, limits=None: None)
+    monkeypatch.setattr(work, "offered_tok_s", lambda cfg: float(load[cfg.served_adapters]))
     rows = run_unit(build_units(enumerate_configs(g), prune=True)[0], prof, Shortcuts())
     assert ran == [8, 16, 32, 64, 96][:simulated]
     assert [r["obtained"] for r in rows[simulated:]] == ["pruned"] * (5 - simulated)
-    again = run_unit(build_units(enumerate_configs(g), prune=True)[0], prof, Shortcuts())
-    assert [r["obtained"] for r in again] == [r["obtained"] for r in rows]  # deterministic
+
+
+def test_offered_tokens_grow_along_a_paper_series():
+    """The next-load rule prunes after every starving point of a paper grid: each next N offers >= 1.15x."""
+    from lorapack.sweep import group_series
+    from lorapack.sweep.work import PRUNE_NEXT_LOAD, offered_tok_s
+
+    g = preset_grid("paper-qwen")
+    for series in group_series(enumerate_configs(g))[:: 997]:
+        loads = [offered_tok_s(c) for c in series]
+        assert all(b >= PRUNE_NEXT_LOAD * a for a, b in zip(loads, loads[1:])), loads
 
 
 def test_batches_keep_arrival_groups_together_and_change_no_row(tmp_path, monkeypatch):
