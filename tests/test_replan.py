@@ -159,6 +159,30 @@ def test_from_scratch_is_matched_to_the_previous_gpus() -> None:
     assert c["moves"] == 1 and c["gpus_started"] == 0 and c["restarts"] == 1  # cdx: --max-loras 2 -> 3
 
 
+@settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sets(st.sampled_from("abcdefghijkl"), max_size=6), min_size=1, max_size=6),
+       st.lists(st.sets(st.sampled_from("abcdefghijkl"), max_size=6), min_size=1, max_size=6))
+def test_best_matching_has_the_fewest_moves(before_sets, after_sets) -> None:
+    """The greedy-or-assignment matching moves no more than scipy's assignment on the padded cost matrix."""
+    from scipy.optimize import linear_sum_assignment
+
+    from lorapack.placement import GpuPlan
+
+    def plan(sets):
+        return Plan("x", "m", "g", [GpuPlan(adapters=sorted(s), weights=[1.0] * len(s),
+                                            server=ServerConfig(max_loras=max(len(s), 1))) for s in sets])
+
+    before, after = plan(before_sets), plan(after_sets)
+    n = max(len(before_sets), len(after_sets))
+    pad = lambda sets, i: set(sets[i]) if i < len(sets) else set()  # noqa: E731
+    cost = np.array([[len(pad(before_sets, i) ^ pad(after_sets, j)) for j in range(n)] for i in range(n)])
+    rows, cols = linear_sum_assignment(cost)
+    m = best_matching(before, after)
+    assert churn(before, after, m)["moves"] == int(cost[rows, cols].sum())
+    assert len({p for p, _ in m if p is not None}) == sum(1 for p, _ in m if p is not None)
+    assert len({q for _, q in m if q is not None}) == sum(1 for _, q in m if q is not None)
+
+
 def test_restart_rule() -> None:
     old = ServerConfig(max_loras=8, max_lora_rank=16, max_cpu_loras=10)
     assert not needs_restart(old, old.replace(max_cpu_loras=40), 12)

@@ -1,8 +1,8 @@
 """The twin's scheduler rules against a real vLLM (the testbed's CPU build): orders, sets and rules, never timings.
 
-Each test sends a workload to a testbed server, the same arrivals through the twin (the shipped Llama profile:
-its step times are an H100's, so only what the rules decide is compared), and checks that the twin admits and
-orders requests as the server did. docs/testbed.md records each rule with the agreement measured.
+Each test sends a workload to a testbed server, the same arrivals through the twin (the shipped Llama profile,
+run at the server's pace where orders are compared: ``pace_to_server``; only what the rules decide is
+compared), and checks that the twin admits and orders requests as the server did. docs/testbed.md records each rule with the agreement measured.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_max_num_seqs_caps_the_running_batch(servers, llama):
     assert max(running) <= 4
     assert max(s.waiting for s in result.samples) >= 1
     real_first = np.array([r.t_first_server_s for r in result.records])
-    _, _, engine = compare_with_twin(llama, flags, arrivals, result)
+    _, _, engine, _ = compare_with_twin(llama, flags, arrivals, result)
     assert real_first[:4].max() < real_first[4:].min()
     assert engine.t_first_s[:4].max() < engine.t_first_s[4:].min()
 
@@ -123,7 +123,7 @@ def test_token_budget_goes_to_running_requests_first(servers, llama):
     assert all(r.status == 200 for r in result.records)
     real_first = np.array([r.t_first_server_s for r in result.records])
     sent = np.array([r.t_sent_s for r in result.records])
-    _, _, engine = compare_with_twin(llama, flags, arrivals, result, 60.0)
+    _, _, engine, _ = compare_with_twin(llama, flags, arrivals, result, 60.0)
     # The server-side first-token time is the send time plus the engine's queued -> first-token interval: it
     # misses the API server's hand-off, tens of ms when busy (CI saw a short request estimated 21 ms before the
     # long one it could not precede). The short requests are sent from 0.2 s, once the long one is surely in

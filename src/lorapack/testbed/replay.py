@@ -286,13 +286,17 @@ def replay(url: str, arrivals: Sequence[Arrival], options: ReplayOptions | None 
 # --- the twin side -------------------------------------------------------------------------------------------
 
 def twin_replay(profile, adapter_ids: Sequence[str], ranks: Sequence[int], arrivals: Sequence[Arrival], flags,
-                duration_s: float, sent_s: Sequence[float] | None = None):
+                duration_s: float, sent_s: Sequence[float] | None = None, time_scale: float = 1.0):
     """The same arrivals through the twin: ``(metrics, EngineResult)`` (``simulate_requests``), the result's
     per-request arrays in the order of ``arrivals``. ``adapter_ids`` is the server's registration order.
 
     ``sent_s``: the times the requests were actually sent (``RequestRecord.t_sent_s``) instead of the planned
     ``Arrival.t_s``. Compare with a server run on these: a client that is starved of CPU for a moment sends
-    late, in a burst, and the server sees that burst, not the plan."""
+    late, in a burst, and the server sees that burst, not the plan.
+
+    ``time_scale``: the twin runs ``time_scale`` times slower than the profile says (every duration of the
+    simulation -- steps, adapter loads -- stretched alike): the arrivals are divided by it, the result's times
+    multiplied back. ``pace_to_server`` picks it so that the twin keeps a server's pace."""
     import dataclasses
 
     from lorapack.twin.run import simulate_requests
@@ -302,18 +306,71 @@ def twin_replay(profile, adapter_ids: Sequence[str], ranks: Sequence[int], arriv
     t = np.array([a.t_s for a in arrivals] if sent_s is None else sent_s, dtype=np.float64)
     if not np.all(np.isfinite(t)):
         raise ValueError("every request needs a send time (a request that was never sent has none)")
-    t = np.maximum(t, 0.0)
+    if not (isinstance(time_scale, int | float) and time_scale > 0 and np.isfinite(time_scale)):
+        raise ValueError(f"time_scale {time_scale!r}: expected a positive number")
+    t = np.maximum(t, 0.0) / time_scale
     order = np.lexsort((np.arange(len(t)), t))  # by time, then in the given order
     req = RequestArrays(t[order], np.array([index[arrivals[i].adapter_id] for i in order], dtype=np.int32),
                         np.array([arrivals[i].prompt_tokens for i in order], dtype=np.int32),
                         np.array([arrivals[i].output_tokens for i in order], dtype=np.int32))
-    metrics, res = simulate_requests(profile, np.asarray(ranks, dtype=np.int32), req, flags, duration_s=duration_s)
+    metrics, res = simulate_requests(profile, np.asarray(ranks, dtype=np.int32), req, flags,
+                                     duration_s=duration_s / time_scale)
     if res is None:
         return metrics, None
     back = np.empty_like(order)
     back[order] = np.arange(len(order))
-    return metrics, dataclasses.replace(res, t_sent_s=res.t_sent_s[back], t_first_s=res.t_first_s[back],
-                                        t_finish_s=res.t_finish_s[back], n_preempted=res.n_preempted[back])
+    return metrics, dataclasses.replace(res, t_sent_s=res.t_sent_s[back] * time_scale,
+                                        t_first_s=res.t_first_s[back] * time_scale,
+                                        t_finish_s=res.t_finish_s[back] * time_scale, n_preempted=res.n_preempted[back])
+
+
+def server_itl_s(records: Sequence[RequestRecord]) -> float:
+    """The server's median inter-token interval over the answered requests of a replay (the engine's own
+    per-request mean when it sends one, else the client's first-to-last span): NaN when none has two tokens."""
+    itl = []
+    for r in records:
+        if np.isfinite(r.engine_itl_ms):
+            itl.append(r.engine_itl_ms / 1000.0)
+        elif r.completion_tokens > 1 and np.isfinite(r.t_finish_s) and np.isfinite(r.t_first_server_s):
+            itl.append((r.t_finish_s - r.t_first_server_s) / (r.completion_tokens - 1))
+    itl = [x for x in itl if x > 0]
+    return float(np.median(itl)) if itl else float("nan")
+
+
+def twin_itl_s(engine, output_tokens: Sequence[int]) -> float:
+    """The twin's median inter-token interval over its finished requests with two or more output tokens."""
+    out = np.asarray(output_tokens, dtype=float)
+    span = np.asarray(engine.t_finish_s, dtype=float) - np.asarray(engine.t_first_s, dtype=float)
+    ok = (out > 1) & np.isfinite(span) & (span > 0)
+    return float(np.median(span[ok] / (out[ok] - 1))) if ok.any() else float("nan")
+
+
+def pace_to_server(profile, adapter_ids: Sequence[str], ranks: Sequence[int], arrivals: Sequence[Arrival], flags,
+                   duration_s: float, records: Sequence[RequestRecord], rounds: int = 3):
+    """``twin_replay`` of a replayed run (the actual send times) at the server's pace: ``(time_scale, metrics,
+    EngineResult)``, the scale chosen so that the twin's median inter-token interval matches the server's.
+
+    What the scheduler's rules decide -- which waiting request is admitted, which adapter waits for a slot --
+    depends on whether a running request has finished when the next one arrives, i.e. on the step time
+    against the send gaps. The shipped profiles' steps are an H100's; the testbed's CPU server is slower or
+    faster by a factor that moves with the machine's load (a CPU shared with other work at ``nice 19``
+    takes several times longer per step). Comparing rules at a common pace keeps that factor out of the
+    comparison: a step-time ratio, not a rule, would otherwise decide orders (docs/testbed.md)."""
+    sent = [r.t_sent_s for r in records]
+    outs = [a.output_tokens for a in arrivals]
+    target = server_itl_s(records)
+    scale = 1.0
+    metrics, engine = twin_replay(profile, adapter_ids, ranks, arrivals, flags, duration_s, sent_s=sent)
+    for _ in range(rounds):
+        if engine is None or not np.isfinite(target):
+            break
+        now = twin_itl_s(engine, outs)
+        if not np.isfinite(now) or abs(now / target - 1.0) < 0.02:
+            break
+        scale *= target / now
+        metrics, engine = twin_replay(profile, adapter_ids, ranks, arrivals, flags, duration_s, sent_s=sent,
+                                      time_scale=scale)
+    return scale, metrics, engine
 
 
 def order_agreement(t_sent_s: np.ndarray, adapter: Sequence, first_a: np.ndarray, first_b: np.ndarray,

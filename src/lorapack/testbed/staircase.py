@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from lorapack.testbed.env import VLLM_VERSION, TestbedError
-from lorapack.testbed.replay import Arrival, ReplayOptions, ReplayResult, order_agreement, replay, twin_replay
+from lorapack.testbed.replay import (
+    Arrival,
+    ReplayOptions,
+    ReplayResult,
+    order_agreement,
+    pace_to_server,
+    replay,
+)
 
 ADAPTERS = ("r8-0", "r8-1", "r16-0", "r16-1", "r32-0", "r32-1")
 RANKS = (8, 8, 16, 16, 32, 32)
@@ -46,8 +53,10 @@ def design(name: str) -> list[Arrival]:
     adapters in the order 0, 3, 1, 4, 2, 5, twice, with outputs long enough (160 tokens) that an adapter's first
     burst is still running when its second arrives, on the server as in the twin.
 
-    Every design keeps its order a matter of the rule, not of speed: the twin's step times are an H100's, the
-    server's a CPU's. With 48-token outputs, ``bursts`` measured 0.63-0.72 agreement (bench/testbed_rules.py):
+    The twin runs at the server's pace (``compare_with_twin``), and every design keeps its order a matter of
+    the rule rather than of small timing differences. Before the pace was matched (the twin at an H100's
+    steps, the server at a CPU's, slower still on a loaded machine) a step-time ratio decided orders: at load
+    8-11 on 2 cores, ``interleaved``/3 and ``bursts`` measured 0.52-0.70. With 48-token outputs and no pace, ``bursts`` measured 0.63-0.72 agreement (bench/testbed_rules.py):
     whether an adapter's first burst finished before its second burst arrived 0.75 s later was a question of
     step time (the twin's ~13 ms steps finished it at ~0.72 s), which decides whether the second burst joins
     its running adapter or queues behind the others."""
@@ -74,14 +83,16 @@ class StaircaseRun:
     attempts: int
     result: ReplayResult
     twin_first_s: np.ndarray
+    time_scale: float = 1.0  # the twin's pace factor (pace_to_server): its steps this many times the profile's
 
     def summary(self) -> dict:
         return {"design": self.design, "max_loras": self.max_loras, "agreement": round(self.agreement, 4),
-                "pairs": self.pairs, "max_send_lag_s": round(self.max_send_lag_s, 3), "attempts": self.attempts}
+                "pairs": self.pairs, "max_send_lag_s": round(self.max_send_lag_s, 3), "attempts": self.attempts,
+                "time_scale": round(self.time_scale, 3)}
 
     def explain(self) -> str:
         """First-token times per adapter, server and twin (for a failure message)."""
-        lines = []
+        lines = [f"twin at the server's pace: steps x {self.time_scale:.3g} of the profile's"]
         for a in ADAPTERS:
             idx = [i for i, r in enumerate(self.result.records) if r.adapter_id == a]
             real = np.array([self.result.records[i].t_first_server_s for i in idx])
@@ -104,21 +115,22 @@ def run_staircase(url: str, profile, name: str, max_loras: int, attempts: int = 
     bad = [(r.index, r.status, r.error) for r in result.records if r.status != 200]
     if bad:
         raise TestbedError(f"{len(bad)} staircase request(s) failed on {url}: {bad[:3]}")
-    share, pairs, engine = compare_with_twin(profile, server_flags(max_loras), arrivals, result)
-    return StaircaseRun(name, max_loras, share, pairs, lag, attempt, result, engine.t_first_s)
+    share, pairs, engine, scale = compare_with_twin(profile, server_flags(max_loras), arrivals, result)
+    return StaircaseRun(name, max_loras, share, pairs, lag, attempt, result, engine.t_first_s, scale)
 
 
 def compare_with_twin(profile, flags: dict[str, int], arrivals: list[Arrival], result: ReplayResult,
                       duration_s: float = 120.0):
     """The replayed ``arrivals`` through the twin (the six staircase adapters, ``flags`` under vLLM's names, the
-    testbed's rule set, the client's actual send times): ``(first-token order agreement, pairs, EngineResult)``
-    over the request pairs with different adapters sent at least ``MIN_PAIR_GAP_S`` apart."""
+    testbed's rule set, the client's actual send times, at the server's pace: ``pace_to_server``):
+    ``(first-token order agreement, pairs, EngineResult, time_scale)`` over the request pairs with different
+    adapters sent at least ``MIN_PAIR_GAP_S`` apart; ``time_scale`` is the twin's pace factor."""
     from lorapack.server import ServerConfig
 
     sent = np.array([r.t_sent_s for r in result.records])
     server = ServerConfig(**flags, vllm_version=VLLM_VERSION)  # the testbed's rules
-    _, engine = twin_replay(profile, ADAPTERS, RANKS, arrivals, server, duration_s, sent_s=sent)
+    scale, _, engine = pace_to_server(profile, ADAPTERS, RANKS, arrivals, server, duration_s, result.records)
     real_first = np.array([r.t_first_server_s for r in result.records])
     share, pairs = order_agreement(sent, [a.adapter_id for a in arrivals], real_first, engine.t_first_s,
                                    MIN_PAIR_GAP_S)
-    return share, pairs, engine
+    return share, pairs, engine, scale
