@@ -98,6 +98,13 @@ def finite_nonnegative(value: float) -> float:
     return value
 
 
+def nonnegative_int(value: int) -> int:
+    """A seed or count field: an integer >= 0."""
+    if value < 0:
+        raise ValueError("expected a non-negative integer")
+    return value
+
+
 def _arrival_sigma(value: float) -> float:
     if not math.isfinite(value) or not 0 < value <= MAX_ARRIVAL_SIGMA:
         raise ValueError(f"expected a number in (0, {MAX_ARRIVAL_SIGMA:g}]: larger sigmas make almost every gap "

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from ..spec import FrozenModel, finite_nonnegative, finite_positive, reject_bool
+from ..spec import FrozenModel, finite_nonnegative, finite_positive, nonnegative_int, reject_bool
 
 POLICY_RE = re.compile(r"^(peak|scratch|replan)(?::(\d+))?$")
 DEFAULT_POLICIES = ("peak", "scratch", "replan:8", "replan:32", "replan")
@@ -66,12 +66,7 @@ class DriftSpec(FrozenModel):
             raise ValueError("expected a probability in [0, 1)")
         return value
 
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError("expected a non-negative integer")
-        return value
+    _seed = field_validator("seed")(nonnegative_int)
 
     @field_validator("policies", mode="before")
     @classmethod

@@ -49,7 +49,14 @@ from pydantic import Field, field_validator, model_validator
 
 from ..errors import SpecError
 from ..objective import Objective
-from ..spec import FIELD_MODELS, FrozenModel, finite_nonnegative, finite_positive, reject_bool
+from ..spec import (
+    FIELD_MODELS,
+    FrozenModel,
+    finite_nonnegative,
+    finite_positive,
+    nonnegative_int,
+    reject_bool,
+)
 from ..textfiles import validate_yaml_file
 from ..workload.derive import DEFAULT_JITTER_S, DEFAULT_SPLIT_S, PROTOCOLS, AdapterWeights, parse_weights
 from .drift_spec import DriftSpec
@@ -174,12 +181,7 @@ class ScenarioFile(FrozenModel):
             out.append(sorted(set(rs)))
         return _distinct(out)
 
-    @field_validator("replay_seed")
-    @classmethod
-    def _rseed(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError("expected a non-negative integer")
-        return value
+    _rseed = field_validator("replay_seed")(nonnegative_int)
 
     @field_validator("fixed_pool")
     @classmethod
