@@ -101,6 +101,27 @@ def test_guard_exits_with_the_commands_status():
     assert proc.wait(timeout=30) == 7
 
 
+def test_guarded_servers_stay_server_nice_steps_below_a_raised_client(tmp_path: Path):
+    """The real tier's priority rule (``raise_priority``, ``SERVER_NICE``): a guarded server's niceness is
+    relative to its client's, whatever the client's is. Here the client lowers its priority (always permitted),
+    in a child so that this process keeps its own."""
+    n0 = os.getpriority(os.PRIO_PROCESS, 0)
+    client, gap = min(19, n0 + 3), 4
+    log = tmp_path / "server.log"
+    code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from lorapack.testbed.server import guarded, raise_priority
+        print(raise_priority({client}))
+        p = guarded([sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"],
+                    log=Path({str(log)!r}), nice={gap})
+        sys.exit(p.wait(timeout=60))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, check=True)
+    assert int(out.stdout.split()[0]) == client
+    assert int(log.read_text().split()[-1]) == min(19, client + gap)
+
+
 def test_lora_module_arg_is_json_for_any_id():
     import json
 
