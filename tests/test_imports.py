@@ -16,8 +16,9 @@ PACKAGE = "lorapack"
 # A module not listed by a prefix belongs to APPLICATIONS (validate, calibrate, sweep, placement, ...).
 APPLICATIONS = "applications"
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # foundations: errors, argument checks, text files in and out, the executor
-    ("lorapack", "lorapack.errors", "lorapack.checks", "lorapack.textfiles", "lorapack.executor"),
+    # foundations: errors, argument checks, text files in and out, the executor, searches over integers
+    ("lorapack", "lorapack.errors", "lorapack.checks", "lorapack.textfiles", "lorapack.executor",
+     "lorapack.monotone"),
     # validated inputs (the objective: what a GPU must achieve); the twin's data types and step-time estimator
     # (pure functions of arrays); resource limits and the cost of a run from its arrays
     ("lorapack.profile", "lorapack.spec", "lorapack.server", "lorapack.objective", "lorapack.twin.types",

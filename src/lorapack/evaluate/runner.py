@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LorapackError
+from ..monotone import bisect_smallest, first_true
 from ..objective import Objective
 from ..placement.plan import Plan
-from ..placement.search import bisect_smallest, first_true
 from ..profile import Profile
 from ..spec import Workload
 from ..workload.derive import DerivedWorkload, DeriveOptions, derive_workload, profile_lengths

@@ -36,6 +36,7 @@ and repair), ``oracles`` (the oracles a method asks; twin runs in worker process
 ``export`` (files), ``plan`` (types).
 """
 
+from ..monotone import bisect_smallest, first_true
 from ..objective import DEFAULT_MAX_TTFT_S, Objective
 from .api import Context, OracleOverrides, assign, smallest_pool, verify_plan
 from .bound import LowerBound, lower_bound
@@ -45,7 +46,6 @@ from .greedy import N_MAX, TESTING_POINTS, Infeasible, zigzag_order
 from .plan import BINDING, GpuMetrics, GpuPlan, Plan, plan_from_dict
 from .problem import DEFAULT_HEADROOM, Instance, instance_from_workload, make_instance
 from .registry import Method, get_method, method_names, methods, register
-from .search import bisect_smallest, first_true
 
 __all__ = [
     "BINDING", "DEFAULT_HEADROOM", "DEFAULT_MAX_TTFT_S", "DEFAULT_VERIFY_SEEDS", "N_MAX", "TESTING_POINTS",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import SpecError
+from ..monotone import bisect_smallest
 from ..objective import Objective
 from ..oracle import (
     CandidateArrivals,
@@ -59,7 +60,6 @@ from .oracles import ParallelTwinOracle, default_workers, exact_oracle, learned_
 from .plan import GpuMetrics, GpuPlan, Plan
 from .problem import Instance, check_assumed_lengths, instance_from_workload, split_entries
 from .registry import Method, get_method
-from .search import bisect_smallest
 from .verify import Judges, RepairLog, Verdict, fill_candidate, repair, verify_fills
 
 if TYPE_CHECKING:

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import LorapackError
+from ..monotone import first_true
 from ..objective import STARVATION_RATIO, Objective
 from ..oracle import GpuCandidate, Oracle, Prediction, TwinOracle, default_slot_rank
 from ..profile import Profile
 from .problem import Instance
-from .search import first_true
 
 TESTING_POINTS: tuple[int, ...] = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
 SLOT_GRID: tuple[int, ...] = TESTING_POINTS

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..monotone import first_true
 from ..objective import STARVED_PROBABILITY, Objective
 from ..oracle import GpuCandidate, Oracle, Prediction, default_slot_rank
 from ..profile import Profile
 from ..server import ServerConfig
 from .greedy import GpuFill, GreedyOptions, Infeasible, MemoryRule, fit_slots, greedy_fill, slot_candidates
 from .problem import Instance
-from .search import first_true
 
 MAX_REPAIR_ROUNDS = 8
 

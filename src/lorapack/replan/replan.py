@@ -42,12 +42,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SpecError
+from ..monotone import first_true
 from ..oracle import GpuCandidate, Oracle, default_slot_rank
 from ..placement.config import PlaceConfig
 from ..placement.greedy import GpuFill, Infeasible, MemoryRule, choose, greedy_fill, slot_candidates
 from ..placement.plan import PLAN_FLAGS, GpuPlan, Plan, plan_from_dict
 from ..placement.problem import Instance, predicted_ok
-from ..placement.search import first_true
 from ..profile import Profile
 from ..server import ServerConfig
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError, SpecError
+from ..monotone import first_true
 from ..spec import LengthsSpec
 from ..textfiles import iter_csv_rows
 
@@ -213,16 +214,10 @@ def largest_reachable_cv(mean_input_tokens: float, mean_output_tokens: float, cv
     def reaches(k: int) -> bool:
         return _solve(mean_input_tokens, mean_output_tokens, k / 100) is not None
 
-    lo, hi = round(REACHABLE_CV_FLOOR * 100), math.ceil(float(cv) * 100)  # reaches(lo) known, reaches(hi) not
+    lo, hi = round(REACHABLE_CV_FLOOR * 100), math.ceil(float(cv) * 100)  # reaches(hi) known not to
     if not reaches(lo):
         return None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if reaches(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo / 100
+    return (first_true(lambda k: not reaches(k), lo, hi) - 1) / 100
 
 
 def unreachable_message(mean_input_tokens: float, mean_output_tokens: float, cv: float) -> str:

@@ -1,4 +1,5 @@
-"""Searches over integers shared by placement: the boundary of a monotone predicate, and the smallest pool."""
+"""Searches over integers for a monotone predicate: its boundary, and the smallest feasible pool (placement, the
+re-planner, the evaluation's pools, the length law's reachable cv)."""
 
 from __future__ import annotations
 
