@@ -57,6 +57,7 @@ evaluate: $(STAMP)
 # evaluation over time (issue 25): docs/replan.md "Evaluation over time" (<= 30 min on 2 cores)
 drift: $(STAMP)
 	nice -n 10 $(BIN)/lorapack evaluate studies/evaluate/drift.yaml --out results/drift --workers 2
+	$(BIN)/python scripts/drift_doc.py results/drift
 
 bench: $(STAMP)
 	$(BIN)/python bench/twin_speed.py

@@ -272,3 +272,43 @@ def test_cli_errors_exit_2(tmp_path, trace_file, monkeypatch, capsys) -> None:
         assert code == 2 and match in stderr and "Traceback" not in stderr
         assert len(stderr.strip().splitlines()) == 1
         assert not out.exists()
+
+
+def _drift_doc_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("drift_doc", Path(__file__).parent.parent / "scripts" / "drift_doc.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_drift_doc_script_fills_the_marked_section(tmp_path, toy_run, capsys) -> None:
+    """``scripts/drift_doc.py`` (the second half of ``make drift``): the tables and figure between the markers,
+    the text around them kept, the slim results beside the figures; one-line errors and nothing written."""
+    mod = _drift_doc_module()
+    _, entry = toy_run
+    res = tmp_path / "res"
+    res.mkdir()
+    (res / "results.json").write_text(json.dumps({"format": 2, "scenarios": [], "wall_s": 125.0, "drift": [entry]}))
+    doc = tmp_path / "docs" / "replan.md"
+    doc.parent.mkdir()
+    doc.write_text(f"# before\n\n{mod.BEGIN}\nold text\n{mod.END}\n\nafter\n")
+    figs = tmp_path / "docs" / "replan"
+    assert mod.main([str(res), "--doc", str(doc), "--figures", str(figs)]) == 0
+    text = doc.read_text()
+    name = entry["name"]
+    assert text.startswith("# before\n") and text.endswith("\n\nafter\n") and "old text" not in text
+    assert "1 drift scenarios, 2 min 5 s wall" in text and f"### {name} (drift)" in text
+    assert f"![drift-{name}](replan/drift-{name}.png)" in text
+    assert "| `replan:2` |" in text and (figs / f"drift-{name}.png").is_file()
+    slim = json.loads((figs / "drift.json").read_text())
+    assert "plans" not in slim["drift"][0] and slim["drift"][0]["policies"].keys() == entry["policies"].keys()
+    # errors: one line, exit 2, the doc untouched
+    before = doc.read_text()
+    (res / "results.json").write_text(json.dumps({"format": 2, "scenarios": []}))
+    assert mod.main([str(res), "--doc", str(doc), "--figures", str(figs)]) == 2
+    assert mod.main([str(tmp_path / "nowhere"), "--doc", str(doc)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "no drift scenarios" in err[0] and "not found" in err[1]
+    assert doc.read_text() == before
