@@ -546,3 +546,57 @@ def test_cli_replan_of_unchanged_rates_moves_nothing(tmp_path) -> None:
     assert after["replan"]["moves"]["total"] == 0 and after["replan"]["from_scratch"]["moves"] == 0
     assert json.loads((tmp_path / "w1" / "migrate.json").read_text())["steps"] == []
     assert (tmp_path / "w1" / "migrate.sh").read_text().count("\nstep ") == 0
+
+
+class _CrowdOracle:
+    """The toy oracle's verdicts on rates, and a mean TTFT that grows with the adapters a GPU holds (0.05 s
+    each): a GPU of many cold adapters is light by rate and close to a 2 s TTFT limit."""
+
+    name = "crowd"
+    cheap = True
+
+    def __init__(self, cap_rps: float) -> None:
+        from placement_helpers import ToyOracle
+
+        self.toy = ToyOracle(cap_rps)
+
+    def predict(self, cands):
+        from dataclasses import replace as dc_replace
+
+        return [dc_replace(p, ttft_s=0.05 * c.n_adapters) for c, p in zip(cands, self.toy.predict(cands),
+                                                                           strict=True)]
+
+
+def test_newcomers_go_where_the_latency_margin_is_largest_not_only_least_load(tmp_path) -> None:
+    """Step 3 by margin: of two running GPUs that both pass with a newcomer, the one whose prediction uses the
+    smaller share of the latency limit gets it, even when the other carries less load (docs/replan.md,
+    "Evaluation over time": a GPU filled up to the objective misses it on a replay's own draws)."""
+    from lorapack.objective import Objective
+    from placement_helpers import toy_capacity
+
+    crowd = _CrowdOracle(CAP)
+    kw = dict(oracle=crowd, search_oracle=crowd, verify_oracle=crowd, capacity=toy_capacity(CAP), workers=1,
+              objective=Objective(max_ttft_s=2.0), verify=False)
+    # window 0, as deployed: GPU 0 holds 30 cold adapters (0.1 req/s each, 3 req/s: TTFT 1.5 s), GPU 1 four hot
+    # ones (2 req/s each, 8 req/s: TTFT 0.2 s)
+    ids = [f"cold{i:02d}" for i in range(30)] + [f"hot{i}" for i in range(4)]
+    rates = [0.1] * 30 + [2.0] * 4
+    first = run_place(instance(rates, ids=ids), LLAMA, **kw)
+    assert not first.infeasible
+    doc = first.to_dict()
+    template = doc["gpus"][0]
+    doc["gpus"] = []
+    for members, q in ((ids[:30], 0.1), (ids[30:], 2.0)):
+        gpu = {**template, "adapters": members, "weights": [1.0] * len(members), "max_loras": len(members),
+               "max_cpu_loras": len(members)}
+        gpu.update(ranks=[8] * len(members), rates_rps=[q] * len(members))
+        doc["gpus"].append(gpu)
+    d0 = tmp_path / "w0"
+    d0.mkdir()
+    (d0 / "plan.json").write_text(json.dumps(doc))
+    cold_gpu, hot_gpu = 0, 1
+    # window 1: a newcomer at 0.5 req/s -- the cold GPU is less loaded (3 req/s) but its TTFT would be 1.55 s of
+    # 2 s; the hot GPU's 0.25 s
+    plan = run_place(instance([*rates, 0.5], ids=[*ids, "fresh"]), LLAMA, previous=d0, **kw)
+    assert not plan.infeasible and plan.replan["moves"]["total"] == 1
+    assert _placed(plan)["fresh"] == [hot_gpu] != [cold_gpu]

@@ -11,8 +11,8 @@ settings for the pool methods) the same TEST the greedy asks:
 2. needed moves: a GPU whose adapters' planned rates rose (or whose rates the previous plan did not record) is
    tested with its ``--max-loras`` (no restart), else with the other slot values (a restart); a GPU that fails
    with all of them sheds its hottest adapters, the fewest that make it pass (bisection);
-3. homes: new adapters and shed ones (hottest first) go to the running GPU that passes with them and carries the
-   least load, without a restart (rank within its ``--max-lora-rank``) and never onto a GPU they left in this
+3. homes: new adapters and shed ones (hottest first) go to a running GPU that passes with them -- the one whose
+   prediction uses the smallest share of the latency limits, then the least loaded -- without a restart (rank within its ``--max-lora-rank``) and never onto a GPU they left in this
    window or the previous one (no bouncing: ``replan.moved_from`` in plan.json); what no GPU takes opens new
    GPUs (the greedy driver), first at the indices of released GPUs;
 4. optional moves: while the plan has more GPUs than a from-scratch plan of the same method for the same rates,
@@ -233,12 +233,17 @@ class _State:
 
     def passes(self, sets: Sequence[tuple[Sequence[int], int]]) -> list[bool]:
         """The TEST for each ``(entries, A)``, one oracle batch."""
+        return [ok for ok, _ in self.tested(sets)]
+
+    def tested(self, sets: Sequence[tuple[Sequence[int], int]]) -> list[tuple[bool, float]]:
+        """The TEST for each ``(entries, A)`` and the share of the tightest latency limit the prediction uses
+        (``Objective.latency_use``; NaN without latency limits), one oracle batch."""
         if not sets:
             return []
         self.calls += 1
         preds = self.oracle.predict([self.candidate(e, a) for e, a in sets])
         obj = self.config.objective
-        return [predicted_ok(obj, p) for p in preds]
+        return [(predicted_ok(obj, p), obj.latency_use(p)) for p in preds]
 
     def settle(self, groups: Sequence[tuple[Sequence[int], int | None]]) -> list[int | None]:
         """Each GPU's ``--max-loras``: ``current`` when it passes with it (no restart), else the TEST's choice
@@ -285,22 +290,26 @@ class _State:
         return sorted(out, key=lambda g: (self.load(g), g))
 
     def find_home(self, e: int, exclude: set[int]) -> tuple[int, int] | None:
-        """``(GPU, its A)``: the least-loaded GPU among ``targets`` that passes the TEST with ``e`` added -- with
-        its ``A`` for a running server (no restart), with any slot value for one started in this window (it has
-        no flags yet)."""
+        """``(GPU, its A)``: among ``targets`` that pass the TEST with ``e`` added -- with its ``A`` for a running
+        server (no restart), with any slot value for one started in this window (it has no flags yet) -- the one
+        whose prediction uses the smallest share of the latency limits, then the least loaded. By margin, not
+        only by load: a GPU filled up to the objective passes its verification and then misses it on a
+        replay's own draws (docs/replan.md, "Evaluation over time")."""
         gs = self.targets(e, exclude)
-        running = [g for g in gs if self.gpus[g].server is not None]
         fresh = [g for g in gs if self.gpus[g].server is None]
-        ok = dict(zip(running, self.passes([(self.gpus[g].entries + [e], self.gpus[g].max_loras) for g in running]),
-                      strict=True))
         slots = dict(zip(fresh, self.settle([(self.gpus[g].entries + [e], self.gpus[g].max_loras) for g in fresh])
                          if fresh else [], strict=True))
-        for g in gs:
-            if ok.get(g):
-                return g, self.gpus[g].max_loras
-            if slots.get(g) is not None:
-                return g, int(slots[g])  # type: ignore[arg-type]
-        return None
+        homes = {g: (self.gpus[g].max_loras if self.gpus[g].server is not None else slots.get(g)) for g in gs}
+        homes = {g: a for g, a in homes.items() if a is not None}
+        order = [g for g in gs if g in homes]
+        verdicts = dict(zip(order, self.tested([(self.gpus[g].entries + [e], int(homes[g])) for g in order]),
+                            strict=True))
+        ok = [g for g in order if verdicts[g][0]]
+        if not ok:
+            return None
+        rank = {g: i for i, g in enumerate(gs)}  # least loaded first
+        best = min(ok, key=lambda g: (verdicts[g][1] if math.isfinite(verdicts[g][1]) else -math.inf, rank[g]))
+        return best, int(homes[best])
 
     def put(self, e: int, home: tuple[int, int]) -> None:
         g, a = home
@@ -422,7 +431,8 @@ def _open_gpus(st: _State, homeless: list[int], pool: int | None) -> None:
 
 
 def _place_homeless(st: _State, homeless: list[int], pool: int | None) -> None:
-    """Step 3: hottest first onto the least-loaded running GPU that passes with it; the rest onto new GPUs."""
+    """Step 3: hottest first onto the running GPU with the largest latency margin that passes with it (``find_home``);
+    the rest onto new GPUs."""
     left = []
     for e in sorted(homeless, key=lambda x: (-st.inst.rates_rps[x], st.inst.adapter_ids[x])):
         home = st.find_home(e, set())
