@@ -600,3 +600,49 @@ def test_newcomers_go_where_the_latency_margin_is_largest_not_only_least_load(tm
     plan = run_place(instance([*rates, 0.5], ids=[*ids, "fresh"]), LLAMA, previous=d0, **kw)
     assert not plan.infeasible and plan.replan["moves"]["total"] == 1
     assert _placed(plan)["fresh"] == [hot_gpu] != [cold_gpu]
+
+
+class _SlotOracle:
+    """The toy oracle's verdicts on rates, and a GPU with more adapters than ``--max-loras`` slots fails."""
+
+    name = "slots"
+    cheap = True
+
+    def __init__(self, cap_rps: float) -> None:
+        from placement_helpers import ToyOracle
+
+        self.toy = ToyOracle(cap_rps)
+
+    def predict(self, cands):
+        from dataclasses import replace as dc_replace
+
+        return [p if c.n_adapters <= c.max_loras else dc_replace(p, starved=1.0)
+                for c, p in zip(cands, self.toy.predict(cands), strict=True)]
+
+
+def test_optional_moves_restart_a_host_when_no_gpu_empties_onto_the_others_as_they_run(tmp_path) -> None:
+    """Step 4's second try: two GPUs of 5 adapters on 5 slots each; the rates halve, one GPU would do, but
+    neither takes the other's adapters on its 5 slots. Letting the host restart with 10 slots saves the GPU."""
+    from placement_helpers import toy_capacity
+
+    slot = _SlotOracle(CAP)
+    kw = dict(oracle=slot, search_oracle=slot, verify_oracle=slot, capacity=toy_capacity(CAP), workers=1,
+              verify=False)
+    ids = [f"a{i:03d}" for i in range(10)]
+    first = run_place(instance([1.0] * 10, ids=ids), LLAMA, **kw)
+    assert not first.infeasible
+    doc = first.to_dict()
+    template = doc["gpus"][0]
+    doc["gpus"] = [{**template, "adapters": m, "weights": [1.0] * 5, "ranks": [8] * 5, "rates_rps": [1.0] * 5,
+                    "max_loras": 5, "max_cpu_loras": 5} for m in (ids[:5], ids[5:])]
+    d0 = tmp_path / "w0"
+    d0.mkdir()
+    (d0 / "plan.json").write_text(json.dumps(doc))
+    plan = run_place(instance([0.5] * 10, ids=ids), LLAMA, previous=d0, **kw)
+    r = plan.replan
+    assert not plan.infeasible and plan.gpus_used == 1 and r["from_scratch"]["gpus"] == 1
+    assert r["moves"]["optional"] == 10 and len(r["restarts"]) == 1
+    kept = next(g for g in plan.gpus if g.adapters)
+    assert sorted(kept.adapters) == ids and kept.server.max_loras >= 10
+    capped = run_place(instance([0.5] * 10, ids=ids), LLAMA, previous=d0, max_moves=9, **kw)
+    assert capped.gpus_used == 2 and capped.replan["moves"]["total"] == 0  # 10 optional moves do not fit in 9

@@ -17,7 +17,8 @@ settings for the pool methods) the same TEST the greedy asks:
    GPUs (the greedy driver), first at the indices of released GPUs;
 4. optional moves: while the plan has more GPUs than a from-scratch plan of the same method for the same rates,
    the GPU cheapest to empty (two moves per adapter it hosts) is emptied onto the others, if all of its adapters
-   find a home as in step 3 and the optional moves stay within ``--max-moves``;
+   find a home as in step 3 (failing that, with hosts that may restart with another ``--max-loras``) and the
+   optional moves stay within ``--max-moves``;
 5. verification (``--verify``): the twin verifies every GPU and repairs the failing ones (``verify.repair``);
    the moves it makes are always made (``verification`` moves), bouncing or not.
 
@@ -289,17 +290,18 @@ class _State:
             out.append(g)
         return sorted(out, key=lambda g: (self.load(g), g))
 
-    def find_home(self, e: int, exclude: set[int]) -> tuple[int, int] | None:
+    def find_home(self, e: int, exclude: set[int], restart: bool = False) -> tuple[int, int] | None:
         """``(GPU, its A)``: among ``targets`` that pass the TEST with ``e`` added -- with its ``A`` for a running
-        server (no restart), with any slot value for one started in this window (it has no flags yet) -- the one
-        whose prediction uses the smallest share of the latency limits, then the least loaded. By margin, not
-        only by load: a GPU filled up to the objective passes its verification and then misses it on a
-        replay's own draws (docs/replan.md, "Evaluation over time")."""
+        server (no restart; with ``restart``, another slot value when its own fails), with any slot value for
+        one started in this window (it has no flags yet) -- the one whose prediction uses the smallest share of
+        the latency limits, then the least loaded. By margin, not only by load: a GPU filled up to the
+        objective passes its verification and then misses it on a replay's own draws (docs/replan.md,
+        "Evaluation over time")."""
         gs = self.targets(e, exclude)
-        fresh = [g for g in gs if self.gpus[g].server is None]
+        fresh = [g for g in gs if restart or self.gpus[g].server is None]
         slots = dict(zip(fresh, self.settle([(self.gpus[g].entries + [e], self.gpus[g].max_loras) for g in fresh])
                          if fresh else [], strict=True))
-        homes = {g: (self.gpus[g].max_loras if self.gpus[g].server is not None else slots.get(g)) for g in gs}
+        homes = {g: (slots.get(g) if g in slots else self.gpus[g].max_loras) for g in gs}
         homes = {g: a for g, a in homes.items() if a is not None}
         order = [g for g in gs if g in homes]
         verdicts = dict(zip(order, self.tested([(self.gpus[g].entries + [e], int(homes[g])) for g in order]),
@@ -445,7 +447,8 @@ def _place_homeless(st: _State, homeless: list[int], pool: int | None) -> None:
 
 def _consolidate(st: _State, target: int | None, budget: float) -> int:
     """Step 4: empty the GPUs cheapest to empty while the plan has more GPUs than ``target`` and the optional
-    moves fit in ``budget``. Returns the optional moves made."""
+    moves fit in ``budget``; when no GPU empties onto the others as they run, once more letting the hosts
+    restart with another ``--max-loras`` (a GPU saved for a restart). Returns the optional moves made."""
     spent = 0
     if target is None:
         return 0
@@ -453,35 +456,31 @@ def _consolidate(st: _State, target: int | None, budget: float) -> int:
     def cost(g: int) -> int:  # entries at home on g move twice (off g, onto another); arrivals only re-aim
         return 2 * sum(1 for e in st.gpus[g].entries if st.home.get(e) == g)
 
+    def empty(g: int, restart: bool) -> bool:
+        saved = [(list(gpu.entries), gpu.max_loras) for gpu in st.gpus]
+        moving = sorted(st.gpus[g].entries, key=lambda x: (-st.inst.rates_rps[x], st.inst.adapter_ids[x]))
+        st.gpus[g].entries = []
+        for e in moving:
+            home = st.find_home(e, {g}, restart=restart)
+            if home is None:
+                for gpu, (entries, a) in zip(st.gpus, saved, strict=True):
+                    gpu.entries, gpu.max_loras = entries, a
+                return False
+            st.put(e, home)
+        for e in moving:
+            if st.home.get(e) == g:
+                st.why[e] = "optional"
+            st.forbidden.setdefault(e, set()).add(g)
+        return True
+
     while sum(1 for gpu in st.gpus if gpu.entries) > target:
         order = sorted((g for g, gpu in enumerate(st.gpus) if gpu.entries), key=lambda g: (cost(g), st.load(g), g))
-        done = False
-        for g in order:
-            price = cost(g)
-            if spent + price > budget:
-                break
-            saved = [(list(gpu.entries), gpu.max_loras) for gpu in st.gpus]
-            moving = sorted(st.gpus[g].entries, key=lambda x: (-st.inst.rates_rps[x], st.inst.adapter_ids[x]))
-            st.gpus[g].entries = []
-            ok = True
-            for e in moving:
-                home = st.find_home(e, {g})
-                if home is None:
-                    ok = False
-                    break
-                st.put(e, home)
-            if ok:
-                spent += price
-                for e in moving:
-                    if st.home.get(e) == g:
-                        st.why[e] = "optional"
-                    st.forbidden.setdefault(e, set()).add(g)
-                done = True
-                break
-            for gpu, (entries, a) in zip(st.gpus, saved, strict=True):
-                gpu.entries, gpu.max_loras = entries, a
-        if not done:
+        price = {g: cost(g) for g in order}  # before emptying: afterwards g holds nothing
+        affordable = [g for g in order if spent + price[g] <= budget]
+        g_done = next((g for restart in (False, True) for g in affordable if empty(g, restart)), None)
+        if g_done is None:
             break
+        spent += price[g_done]
     return spent
 
 
