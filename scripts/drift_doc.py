@@ -18,8 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-from lorapack.checks import write_text_atomic
-from lorapack.evaluate.drift import drift_markdown, plot_drift
+from lorapack.checks import fill_marked_section, write_text_atomic
+from lorapack.errors import SpecError
+from lorapack.evaluate.drift import drift_markdown, figure_name, plot_drift
 from lorapack.textfiles import json_safe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,22 +57,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {src} has no drift scenarios (a scenario file with a 'drift:' block)", file=sys.stderr)
         return 2
     text = args.doc.read_text()
-    if BEGIN not in text or END not in text:
+    if BEGIN not in text or END not in text:  # before any figure is drawn
         print(f"error: {args.doc} has no {BEGIN} ... {END} section", file=sys.stderr)
         return 2
     args.figures.mkdir(parents=True, exist_ok=True)
     rel_dir = Path(os.path.relpath(args.figures, args.doc.parent))
     figures = []
     for entry in doc["drift"]:
-        name = "drift-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in entry["name"]) + ".png"
+        name = figure_name(entry)
         plot_drift(entry, args.figures / name)
         figures.append(str(rel_dir / name))
     slim = {"wall_s": doc.get("wall_s"), "drift": [_slim(e) for e in doc["drift"]]}
     write_text_atomic(args.figures / "drift.json", json.dumps(json_safe(slim), indent=1) + "\n")
     source = Path(os.path.relpath(args.figures / "drift.json", ROOT))
-    before, rest = text.split(BEGIN, 1)
-    _, after = rest.split(END, 1)
-    write_text_atomic(args.doc, f"{before}{BEGIN}\n{section(doc, figures, source)}\n{END}{after}")
+    try:
+        fill_marked_section(args.doc, BEGIN, END, section(doc, figures, source))
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"updated {args.doc} ({len(doc['drift'])} drift scenarios; figures in {args.figures})")
     return 0
 

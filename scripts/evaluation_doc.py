@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from lorapack.checks import write_text_atomic
+from lorapack.checks import fill_marked_section, write_text_atomic
 from lorapack.evaluate.report import study_figures, study_markdown
 from lorapack.textfiles import json_safe
 
@@ -124,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     write_text_atomic(args.figures / "results.json", json.dumps(json_safe(_slim(doc)), indent=1) + "\n")
     head = header(parts, doc, rel)
     body = head + "\n" + study_markdown(doc, [f"{rel}/{n}" for n in names])
-    before, rest = text.split(BEGIN, 1)
-    _, after = rest.split(END, 1)
-    write_text_atomic(args.doc, f"{before}{BEGIN}\n{body}\n{END}{after}")
+    fill_marked_section(args.doc, BEGIN, END, body)  # the markers were checked above
     print(f"wrote {args.doc} and {len(names)} figures in {args.figures}")
     return 0
 

@@ -145,6 +145,18 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
+def fill_marked_section(path: str | Path, begin: str, end: str, body: str) -> None:
+    """Replace the text between the markers ``begin`` and ``end`` of the file at ``path`` with ``body`` (the
+    markers and the text around them kept; written atomically). ``SpecError`` when a marker is missing."""
+    p = Path(path)
+    text = p.read_text(encoding="utf-8")
+    if begin not in text or end not in text:
+        raise SpecError(f"{p} has no {begin} ... {end} section")
+    before, rest = text.split(begin, 1)
+    _, after = rest.split(end, 1)
+    write_text_atomic(p, f"{before}{begin}\n{body}\n{end}{after}")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # option values shared by several commands
 

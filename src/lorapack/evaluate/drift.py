@@ -627,11 +627,16 @@ def plot_drift(entry: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def figure_name(entry: dict[str, Any]) -> str:
+    """The file name of a drift scenario's figure (its name, made safe for a path)."""
+    return "drift-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in entry["name"]) + ".png"
+
+
 def drift_figures(doc: dict[str, Any], out_dir: Path) -> list[str]:
     """One figure per drift scenario in ``out_dir/figures``; relative paths."""
     out = []
     for entry in doc.get("drift", []):
-        name = "figures/drift-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in entry["name"]) + ".png"
+        name = "figures/" + figure_name(entry)
         plot_drift(entry, out_dir / name)
         out.append(name)
     return out
