@@ -12,8 +12,8 @@ settings for the pool methods) the same TEST the greedy asks:
    tested with its ``--max-loras`` (no restart), else with the other slot values (a restart); a GPU that fails
    with all of them sheds its hottest adapters, the fewest that make it pass (bisection);
 3. homes: new adapters and shed ones (hottest first) go to a running GPU that passes with them -- the one whose
-   prediction uses the smallest share of the latency limits, then the least loaded -- without a restart (rank within its ``--max-lora-rank``) and never onto a GPU they left in this
-   window or the previous one (no bouncing: ``replan.moved_from`` in plan.json); what no GPU takes opens new
+   prediction uses the smallest share of the latency limits, then the least loaded -- without a restart (rank
+   within its ``--max-lora-rank``) and never onto a GPU they left in this window or the previous one (no bouncing: ``replan.moved_from`` in plan.json); what no GPU takes opens new
    GPUs (the greedy driver), first at the indices of released GPUs;
 4. optional moves: while the plan has more GPUs than a from-scratch plan of the same method for the same rates,
    the GPU cheapest to empty (two moves per adapter it hosts) is emptied onto the others, if all of its adapters
@@ -433,8 +433,8 @@ def _open_gpus(st: _State, homeless: list[int], pool: int | None) -> None:
 
 
 def _place_homeless(st: _State, homeless: list[int], pool: int | None) -> None:
-    """Step 3: hottest first onto the running GPU with the largest latency margin that passes with it (``find_home``);
-    the rest onto new GPUs."""
+    """Step 3: hottest first onto the running GPU with the largest latency margin that passes with it
+    (``find_home``); the rest onto new GPUs."""
     left = []
     for e in sorted(homeless, key=lambda x: (-st.inst.rates_rps[x], st.inst.adapter_ids[x])):
         home = st.find_home(e, set())
