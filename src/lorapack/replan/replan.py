@@ -13,8 +13,9 @@ settings for the pool methods) the same TEST the greedy asks:
    with all of them sheds its hottest adapters, the fewest that make it pass (bisection);
 3. homes: new adapters and shed ones (hottest first) go to a running GPU that passes with them -- the one whose
    prediction uses the smallest share of the latency limits, then the least loaded -- without a restart (rank
-   within its ``--max-lora-rank``) and never onto a GPU they left in this window or the previous one (no bouncing: ``replan.moved_from`` in plan.json); what no GPU takes opens new
-   GPUs (the greedy driver), first at the indices of released GPUs;
+   within its ``--max-lora-rank``) and never onto a GPU they left in this window or the previous one (no
+   bouncing: ``replan.moved_from`` in plan.json); what no GPU takes opens new GPUs (the greedy driver), first at
+   the indices of released GPUs;
 4. optional moves: while the plan has more GPUs than a from-scratch plan of the same method for the same rates,
    the GPU cheapest to empty (two moves per adapter it hosts) is emptied onto the others, if all of its adapters
    find a home as in step 3 (failing that, with hosts that may restart with another ``--max-loras``) and the
