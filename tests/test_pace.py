@@ -56,3 +56,29 @@ def test_pace_recovers_a_servers_step_factor(llama, k) -> None:
     assert twin_itl_s(engine, [a.output_tokens for a in arrivals]) == pytest.approx(
         twin_itl_s(server, [a.output_tokens for a in arrivals]), rel=0.03)
     assert np.array_equal(np.argsort(engine.t_first_s, kind="stable"), np.argsort(server.t_first_s, kind="stable"))
+
+
+def test_a_replay_whose_server_queued_requests_late_is_run_again(llama, monkeypatch) -> None:
+    """The CI failure of 2026-11-28: the engine first saw some staircase requests ~0.4 s after they were sent
+    (out of send order). The engine's intervals, counted from the send, then place their first tokens 0.4 s
+    early; ``outside_engine_s`` shows it, and ``run_staircase`` sends the design again."""
+    from lorapack.testbed import staircase
+    from lorapack.testbed.replay import ReplayResult
+
+    arrivals = design("blocks")
+    sent = np.array([a.t_s for a in arrivals])
+    _, server = twin_replay(llama, ADAPTERS, RANKS, arrivals, ServerConfig(**server_flags(3)), 120.0)
+    clean = _records(arrivals, server, sent)
+    assert max(r.outside_engine_s for r in clean) < 1e-9
+    held = _records(arrivals, server, sent)
+    for r in held[3:10]:  # queued 0.4 s late: the engine's queue and TTFT intervals start then
+        r.t_first_s += 0.4
+        r.t_finish_s += 0.4
+    assert [round(r.outside_engine_s, 6) for r in held[2:11]] == [0.0] + [0.4] * 7 + [0.0]
+    results = iter([ReplayResult(held, [], 5.0), ReplayResult(clean, [], 5.0)])
+    monkeypatch.setattr(staircase, "replay", lambda *a, **k: next(results))
+    run = staircase.run_staircase("http://127.0.0.1:1", llama, "blocks", 3)
+    assert run.attempts == 2 and run.max_outside_engine_s < 1e-9 and run.agreement == 1.0
+    results = iter([ReplayResult(held, [], 5.0)] * 2)
+    run = staircase.run_staircase("http://127.0.0.1:1", llama, "blocks", 3, attempts=2)
+    assert run.attempts == 2 and run.max_outside_engine_s == pytest.approx(0.4)

@@ -101,6 +101,18 @@ class RequestRecord:
             return self.t_sent_s + (self.queue_ms + self.engine_ttft_ms) / 1000.0
         return self.t_first_s
 
+    @property
+    def outside_engine_s(self) -> float:
+        """Client-seen time the engine's own intervals do not cover: the API server's time between receiving the
+        request and queuing it in the engine, plus the answer's way back (the first token is placed from the end:
+        finish minus the engine's decode span). Tens of ms normally; a stalled API loop that queued the request
+        late shows here, and then the engine may have seen requests in another order than they were sent. NaN
+        without per-request metrics."""
+        if not (np.isfinite(self.engine_itl_ms) and np.isfinite(self.t_finish_s)) or self.completion_tokens < 1:
+            return float("nan")
+        decode_s = self.engine_itl_ms * max(self.completion_tokens - 1, 0) / 1000.0
+        return self.t_finish_s - decode_s - self.t_first_server_s
+
 
 @dataclass
 class MetricsSample:
