@@ -646,3 +646,36 @@ def test_optional_moves_restart_a_host_when_no_gpu_empties_onto_the_others_as_th
     assert sorted(kept.adapters) == ids and kept.server.max_loras >= 10
     capped = run_place(instance([0.5] * 10, ids=ids), LLAMA, previous=d0, max_moves=9, **kw)
     assert capped.gpus_used == 2 and capped.replan["moves"]["total"] == 0  # 10 optional moves do not fit in 9
+
+
+
+def test_optional_moves_repack_a_few_gpus_when_none_empties_alone(tmp_path) -> None:
+    """Step 4's repack (the toy's capacity is 10 req/s): GPU 0 runs a (rank 16, 2.1 req/s) and b (rank 8, 3.4),
+    GPU 1 c (rank 8, 6.0) with --max-lora-rank 8, GPU 2 d (rank 16, 4.7). Two GPUs hold the 16.2 req/s, as the
+    from-scratch plan shows, but none empties onto the others as they run: d fits only beside a and b (10.2),
+    c beside nothing, and a (rank 16) only on GPU 2, full once b went there. Placing the three GPUs' adapters
+    again saves one; under a cap too small for its moves the plan keeps three."""
+    from placement_helpers import toy_capacity
+
+    kw = dict(toy_kwargs(CAP), capacity=toy_capacity(CAP), workers=1, verify=False)
+    ids, ranks, rates = ["a", "b", "c", "d"], [16, 8, 8, 16], [2.1, 3.4, 6.0, 4.7]
+    first = run_place(instance(rates, ranks=ranks, ids=ids), LLAMA, **kw)
+    assert not first.infeasible
+    doc = first.to_dict()
+    template = doc["gpus"][0]
+    doc["gpus"] = [{**template, "adapters": [ids[i] for i in m], "weights": [1.0] * len(m),
+                    "ranks": [ranks[i] for i in m], "rates_rps": [rates[i] for i in m], "max_loras": len(m),
+                    "max_cpu_loras": len(m), "max_lora_rank": max(ranks[i] for i in m)}
+                   for m in ([0, 1], [2], [3])]
+    d0 = tmp_path / "w0"
+    d0.mkdir()
+    (d0 / "plan.json").write_text(json.dumps(doc))
+    plan = run_place(instance(rates, ranks=ranks, ids=ids), LLAMA, previous=d0, **kw)
+    r = plan.replan
+    assert not plan.infeasible and r["from_scratch"]["gpus"] == 2 and plan.gpus_used == 2
+    assert sorted(a for g in plan.gpus for a in g.adapters) == ids
+    assert all(sum(g.rates_rps) <= CAP for g in plan.gpus)
+    moved = r["moves"]["optional"]
+    assert 0 < moved <= 4 and r["moves"]["total"] == moved
+    capped = run_place(instance(rates, ranks=ranks, ids=ids), LLAMA, previous=d0, max_moves=moved - 1, **kw)
+    assert capped.gpus_used == 3 and capped.replan["moves"]["total"] == 0

@@ -19,7 +19,8 @@ settings for the pool methods) the same TEST the greedy asks:
 4. optional moves: while the plan has more GPUs than a from-scratch plan of the same method for the same rates,
    the GPU cheapest to empty (two moves per adapter it hosts) is emptied onto the others, if all of its adapters
    find a home as in step 3 (failing that, with hosts that may restart with another ``--max-loras``) and the
-   optional moves stay within ``--max-moves``;
+   optional moves stay within ``--max-moves``; when no GPU empties alone, the adapters of two or three of the
+   least loaded GPUs are placed again by the greedy driver, if that needs one GPU fewer (``_repack``);
 5. verification (``--verify``): the twin verifies every GPU and repairs the failing ones (``verify.repair``);
    the moves it makes are always made (``verification`` moves), bouncing or not.
 
@@ -479,10 +480,72 @@ def _consolidate(st: _State, target: int | None, budget: float) -> int:
         price = {g: cost(g) for g in order}  # before emptying: afterwards g holds nothing
         affordable = [g for g in order if spent + price[g] <= budget]
         g_done = next((g for restart in (False, True) for g in affordable if empty(g, restart)), None)
-        if g_done is None:
+        if g_done is not None:
+            spent += price[g_done]
+            continue
+        paid = _repack(st, budget - spent)
+        if paid is None:
             break
-        spent += price[g_done]
+        spent += paid
     return spent
+
+
+# step 4's repack: GPU sets of these sizes, drawn from this many least-loaded GPUs (C(5,2) + C(5,3) = 20 greedy
+# runs at most per GPU saved; the greedy on a few dozen adapters asks a learned oracle in milliseconds)
+REPACK_SIZES = (2, 3)
+REPACK_POOL = 5
+
+
+def _repack(st: _State, budget: float) -> int | None:
+    """Step 4 when no GPU empties onto the others: the adapters of a few GPUs (2 or 3 of the ``REPACK_POOL``
+    least loaded) placed again from scratch by the greedy driver; taken when they need one GPU fewer. When the
+    fleet shrinks by less than a GPU's worth the load is spread thin over every GPU and none empties alone, but
+    two or three together free one (docs/replan.md, "Evaluation over time"). The new GPUs go to the old indices
+    with the most adapters staying (never onto a GPU an adapter may not return to); the cheapest such repack in
+    optional moves (two per adapter leaving its previous GPU) within ``budget`` is applied (its hosts may
+    restart). Returns the moves it made, None when no repack saves a GPU."""
+    import itertools
+
+    used = sorted((g for g, gpu in enumerate(st.gpus) if gpu.entries), key=lambda g: (st.load(g), g))
+    pool = used[:REPACK_POOL]
+    inst = st.inst
+    tried = sorted((c for k in REPACK_SIZES if k <= len(pool) for c in itertools.combinations(pool, k)),
+                   key=lambda c: (sum(len(st.gpus[g].entries) for g in c), c))
+    for group in tried:
+        entries = sorted(e for g in group for e in st.gpus[g].entries)
+        ix = np.asarray(entries, dtype=np.int64)
+        sub = replace(inst, adapter_ids=tuple(inst.adapter_ids[i] for i in ix), ranks=inst.ranks[ix],
+                      rates_rps=inst.rates_rps[ix], weights=inst.weights[ix])
+        try:
+            fills = greedy_fill(sub, st.profile, st.oracle, st.config.objective, pool=len(group) - 1,
+                                options=_options(st.config))
+        except Infeasible:
+            continue
+        st.calls += 1
+        best: tuple[int, tuple[int, ...]] | None = None
+        for to in itertools.permutations(group, len(fills)):  # fill j -> GPU to[j]
+            placed = [(int(ix[i]), g) for f, g in zip(fills, to, strict=True) for i in f.entries]
+            if any(g in st.forbidden.get(e, ()) and st.home.get(e) != g for e, g in placed):
+                continue
+            moves = 2 * sum(1 for e, g in placed if e in st.home and st.home[e] in group and st.home[e] != g)
+            if best is None or moves < best[0]:
+                best = (moves, to)
+        if best is None or best[0] > budget:
+            continue
+        moves, to = best
+        for g in group:
+            st.gpus[g].entries = []
+        for f, g in zip(fills, to, strict=True):
+            st.gpus[g].entries = [int(ix[i]) for i in f.entries]
+            st.gpus[g].max_loras = max(1, min(int(f.max_loras), len(f.entries)))
+        for g in to:
+            for e in st.gpus[g].entries:
+                h = st.home.get(e)
+                if h is not None and h in group and h != g:
+                    st.why[e] = "optional"
+                    st.forbidden.setdefault(e, set()).add(h)
+        return moves
+    return None
 
 
 def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Previous, overrides=None,
