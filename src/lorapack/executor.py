@@ -174,7 +174,7 @@ def keep_freed_memory() -> bool:
     """Let glibc's malloc keep memory this process frees, for its next job, instead of returning it to the
     kernel and faulting it back in (zeroed) on the next allocation. A sweep job allocates and frees the same
     arrays thousands of times: on placement-like-llama (597 configs, 2 workers) the defaults cost 1.24 M minor
-    page faults and 6.2 s of system time, these settings 0.24 M and 2.0 s, 46.0 -> 43.7 s wall, the same peak
+    page faults and 6.2 s of system time, these settings 0.24 M and 2.2 s, 46.4 -> 44.4 s wall, the same peak
     memory (docs/sweep.md, "Memory the workers keep"). Workers call it; False where malloc is not glibc's."""
     if not sys.platform.startswith("linux"):
         return False
