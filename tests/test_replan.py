@@ -679,3 +679,47 @@ def test_optional_moves_repack_a_few_gpus_when_none_empties_alone(tmp_path) -> N
     assert 0 < moved <= 4 and r["moves"]["total"] == moved
     capped = run_place(instance(rates, ranks=ranks, ids=ids), LLAMA, previous=d0, max_moves=moved - 1, **kw)
     assert capped.gpus_used == 3 and capped.replan["moves"]["total"] == 0
+
+
+class _BorderOracle:
+    """The toy oracle's verdicts on rates, and a starvation probability of 0.4 (a pass, near the TEST's 0.5) for
+    a GPU of three adapters or more: the learned oracle's border, where the twin may disagree."""
+
+    name = "border"
+    cheap = True
+
+    def __init__(self, cap_rps: float) -> None:
+        from placement_helpers import ToyOracle
+
+        self.toy = ToyOracle(cap_rps)
+
+    def predict(self, cands):
+        from dataclasses import replace as dc_replace
+
+        return [p if p.starved >= 0.5 or c.n_adapters < 3 else dc_replace(p, starved=0.4)
+                for c, p in zip(cands, self.toy.predict(cands), strict=True)]
+
+
+def test_newcomers_keep_away_from_a_gpu_near_its_starvation_border(tmp_path) -> None:
+    """Step 3 by margin, starvation too (``margin_use``): of two GPUs that pass with a newcomer, the one the
+    oracle passes near its starvation border does not get it, though it carries less load (docs/replan.md: the
+    twin's verification failed such GPUs and repair opened new ones)."""
+    from placement_helpers import toy_capacity
+
+    border = _BorderOracle(CAP)
+    kw = dict(oracle=border, search_oracle=border, verify_oracle=border, capacity=toy_capacity(CAP), workers=1,
+              verify=False)
+    ids, rates = ["c0", "c1", "c2", "hot"], [0.1, 0.1, 0.1, 9.8]  # 10.1 req/s: two GPUs
+    first = run_place(instance(rates, ids=ids), LLAMA, **kw)
+    assert not first.infeasible
+    doc = first.to_dict()
+    template = doc["gpus"][0]
+    doc["gpus"] = [{**template, "adapters": m, "weights": [1.0] * len(m), "ranks": [8] * len(m),
+                    "rates_rps": [rates[ids.index(a)] for a in m], "max_loras": len(m), "max_cpu_loras": len(m)}
+                   for m in (ids[:3], ids[3:])]
+    d0 = tmp_path / "w0"
+    d0.mkdir()
+    (d0 / "plan.json").write_text(json.dumps(doc))
+    plan = run_place(instance([*rates, 0.1], ids=[*ids, "fresh"]), LLAMA, previous=d0, **kw)
+    assert not plan.infeasible and plan.replan["moves"]["total"] == 1
+    assert _placed(plan)["fresh"] == [1]  # beside the hot adapter (9.8 req/s), not the three cold ones (0.3)

@@ -12,10 +12,10 @@ settings for the pool methods) the same TEST the greedy asks:
    tested with its ``--max-loras`` (no restart), else with the other slot values (a restart); a GPU that fails
    with all of them sheds its hottest adapters, the fewest that make it pass (bisection);
 3. homes: new adapters and shed ones (hottest first) go to a running GPU that passes with them -- the one whose
-   prediction uses the smallest share of the latency limits, then the least loaded -- without a restart (rank
-   within its ``--max-lora-rank``) and never onto a GPU they left in this window or the previous one (no
-   bouncing: ``replan.moved_from`` in plan.json); what no GPU takes opens new GPUs (the greedy driver), first at
-   the indices of released GPUs;
+   prediction is farthest from failing (``margin_use``: latency limits and starvation), then the least loaded
+   -- without a restart (rank within its ``--max-lora-rank``) and never onto a GPU they left in this window or
+   the previous one (no bouncing: ``replan.moved_from`` in plan.json); what no GPU takes opens new GPUs (the
+   greedy driver), first at the indices of released GPUs;
 4. optional moves: while the plan has more GPUs than a from-scratch plan of the same method for the same rates,
    the GPU cheapest to empty (two moves per adapter it hosts) is emptied onto the others, if all of its adapters
    find a home as in step 3 (failing that, with hosts that may restart with another ``--max-loras``) and the
@@ -195,6 +195,19 @@ def identity_matching(previous: Plan, plan: Plan) -> list[tuple[int | None, int 
 # the re-plan
 
 
+def margin_use(objective, p) -> float:
+    """How close a prediction comes to failing the TEST: the larger of the share of the tightest latency limit it
+    uses (``Objective.latency_use``) and its starvation probability as a share of the TEST's threshold
+    (``STARVED_PROBABILITY``); 0 for what the oracle does not predict. Steps 3-4 place an adapter where this is
+    smallest: a GPU the learned oracle passes near its starvation border is one the twin may fail, and
+    verification's repair then opens GPUs (docs/replan.md, "Evaluation over time")."""
+    from ..objective import STARVED_PROBABILITY
+
+    lat = objective.latency_use(p)
+    starved = p.starved / STARVED_PROBABILITY
+    return max(lat if math.isfinite(lat) else 0.0, starved if math.isfinite(starved) else 0.0)
+
+
 @dataclass
 class _Gpu:
     """One GPU during the re-plan: its entries (registration order) and its server's flags so far."""
@@ -239,14 +252,14 @@ class _State:
         return [ok for ok, _ in self.tested(sets)]
 
     def tested(self, sets: Sequence[tuple[Sequence[int], int]]) -> list[tuple[bool, float]]:
-        """The TEST for each ``(entries, A)`` and the share of the tightest latency limit the prediction uses
-        (``Objective.latency_use``; NaN without latency limits), one oracle batch."""
+        """The TEST for each ``(entries, A)`` and how close the prediction comes to failing it
+        (``margin_use``), one oracle batch."""
         if not sets:
             return []
         self.calls += 1
         preds = self.oracle.predict([self.candidate(e, a) for e, a in sets])
         obj = self.config.objective
-        return [(predicted_ok(obj, p), obj.latency_use(p)) for p in preds]
+        return [(predicted_ok(obj, p), margin_use(obj, p)) for p in preds]
 
     def settle(self, groups: Sequence[tuple[Sequence[int], int | None]]) -> list[int | None]:
         """Each GPU's ``--max-loras``: ``current`` when it passes with it (no restart), else the TEST's choice
@@ -295,10 +308,11 @@ class _State:
     def find_home(self, e: int, exclude: set[int], restart: bool = False) -> tuple[int, int] | None:
         """``(GPU, its A)``: among ``targets`` that pass the TEST with ``e`` added -- with its ``A`` for a running
         server (no restart; with ``restart``, another slot value when its own fails), with any slot value for
-        one started in this window (it has no flags yet) -- the one whose prediction uses the smallest share of
-        the latency limits, then the least loaded. By margin, not only by load: a GPU filled up to the
-        objective passes its verification and then misses it on a replay's own draws (docs/replan.md,
-        "Evaluation over time")."""
+        one started in this window (it has no flags yet) -- the one whose prediction is farthest from failing
+        (``margin_use``), then the least loaded. By margin, not only by load: a GPU filled up to the objective
+        passes its verification and then misses it on a replay's own draws, and one the learned oracle passes
+        near its starvation border the twin's verification fails and repair splits onto new GPUs
+        (docs/replan.md, "Evaluation over time")."""
         gs = self.targets(e, exclude)
         fresh = [g for g in gs if restart or self.gpus[g].server is None]
         slots = dict(zip(fresh, self.settle([(self.gpus[g].entries + [e], self.gpus[g].max_loras) for g in fresh])
@@ -312,7 +326,7 @@ class _State:
         if not ok:
             return None
         rank = {g: i for i, g in enumerate(gs)}  # least loaded first
-        best = min(ok, key=lambda g: (verdicts[g][1] if math.isfinite(verdicts[g][1]) else -math.inf, rank[g]))
+        best = min(ok, key=lambda g: (verdicts[g][1], rank[g]))
         return best, int(homes[best])
 
     def put(self, e: int, home: tuple[int, int]) -> None:
