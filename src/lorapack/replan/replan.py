@@ -515,9 +515,10 @@ def _repack(st: _State, budget: float) -> int | None:
     least loaded) placed again from scratch by the greedy driver; taken when they need one GPU fewer. When the
     fleet shrinks by less than a GPU's worth the load is spread thin over every GPU and none empties alone, but
     two or three together free one (docs/replan.md, "Evaluation over time"). The new GPUs go to the old indices
-    with the most adapters staying (never onto a GPU an adapter may not return to); the cheapest such repack in
-    optional moves (two per adapter leaving its previous GPU) within ``budget`` is applied (its hosts may
-    restart). Returns the moves it made, None when no repack saves a GPU."""
+    with the most adapters staying (never onto a GPU an adapter may not return to). Sets are tried with the
+    fewest adapters first; the first whose repack saves a GPU within ``budget`` optional moves (two per adapter
+    leaving its previous GPU) is applied (its hosts may restart). Returns the moves it made, None when no repack
+    saves a GPU."""
     import itertools
 
     used = sorted((g for g, gpu in enumerate(st.gpus) if gpu.entries), key=lambda g: (st.load(g), g))
