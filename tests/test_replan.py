@@ -701,7 +701,7 @@ class _BorderOracle:
 
 
 def test_newcomers_keep_away_from_a_gpu_near_its_starvation_border(tmp_path) -> None:
-    """Step 3 by margin, starvation too (``margin_use``): of two GPUs that pass with a newcomer, the one the
+    """Step 3 by margin, starvation too (``Objective.margin_use``): of two GPUs that pass with a newcomer, the one the
     oracle passes near its starvation border does not get it, though it carries less load (docs/replan.md: the
     twin's verification failed such GPUs and repair opened new ones)."""
     from placement_helpers import toy_capacity

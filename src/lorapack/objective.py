@@ -130,6 +130,15 @@ class Objective:
         uses = [vals[k] / lim for k, lim in self.limits().items() if math.isfinite(vals[k])]
         return max(uses) if uses else math.nan
 
+    def margin_use(self, p: Prediction) -> float:
+        """How close a prediction comes to failing ``check``: the larger of ``latency_use`` and the starvation
+        probability as a share of ``STARVED_PROBABILITY``; 0 for what the oracle does not predict. A re-plan
+        places an adapter where this is smallest (docs/replan.md: a GPU the learned oracle passes near its
+        starvation border is one the twin's verification may fail)."""
+        lat = self.latency_use(p)
+        starved = p.starved / STARVED_PROBABILITY
+        return max(lat if math.isfinite(lat) else 0.0, starved if math.isfinite(starved) else 0.0)
+
     def check(self, p: Prediction) -> str | None:
         """``None`` if the predicted GPU meets the objective, else the binding constraint: ``memory`` (vLLM
         does not start), ``throughput`` (starved: the paper's label or an adapter starved) or ``latency``."""

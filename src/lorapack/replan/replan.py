@@ -12,10 +12,10 @@ settings for the pool methods) the same TEST the greedy asks:
    tested with its ``--max-loras`` (no restart), else with the other slot values (a restart); a GPU that fails
    with all of them sheds its hottest adapters, the fewest that make it pass (bisection);
 3. homes: new adapters and shed ones (hottest first) go to a running GPU that passes with them -- the one whose
-   prediction is farthest from failing (``margin_use``: latency limits and starvation), then the least loaded
-   -- without a restart (rank within its ``--max-lora-rank``) and never onto a GPU they left in this window or
-   the previous one (no bouncing: ``replan.moved_from`` in plan.json); what no GPU takes opens new GPUs (the
-   greedy driver), first at the indices of released GPUs;
+   prediction is farthest from failing (``Objective.margin_use``: latency limits and starvation), then the
+   least loaded -- without a restart (rank within its ``--max-lora-rank``) and never onto a GPU they left in
+   this window or the previous one (no bouncing: ``replan.moved_from`` in plan.json); what no GPU takes opens
+   new GPUs (the greedy driver), first at the indices of released GPUs;
 4. optional moves: while the plan has more GPUs than a from-scratch plan of the same method for the same rates,
    the GPU cheapest to empty (two moves per adapter it hosts) is emptied onto the others, if all of its adapters
    find a home as in step 3 (failing that, with hosts that may restart with another ``--max-loras``) and the
@@ -195,19 +195,6 @@ def identity_matching(previous: Plan, plan: Plan) -> list[tuple[int | None, int 
 # the re-plan
 
 
-def margin_use(objective, p) -> float:
-    """How close a prediction comes to failing the TEST: the larger of the share of the tightest latency limit it
-    uses (``Objective.latency_use``) and its starvation probability as a share of the TEST's threshold
-    (``STARVED_PROBABILITY``); 0 for what the oracle does not predict. Steps 3-4 place an adapter where this is
-    smallest: a GPU the learned oracle passes near its starvation border is one the twin may fail, and
-    verification's repair then opens GPUs (docs/replan.md, "Evaluation over time")."""
-    from ..objective import STARVED_PROBABILITY
-
-    lat = objective.latency_use(p)
-    starved = p.starved / STARVED_PROBABILITY
-    return max(lat if math.isfinite(lat) else 0.0, starved if math.isfinite(starved) else 0.0)
-
-
 @dataclass
 class _Gpu:
     """One GPU during the re-plan: its entries (registration order) and its server's flags so far."""
@@ -253,13 +240,13 @@ class _State:
 
     def tested(self, sets: Sequence[tuple[Sequence[int], int]]) -> list[tuple[bool, float]]:
         """The TEST for each ``(entries, A)`` and how close the prediction comes to failing it
-        (``margin_use``), one oracle batch."""
+        (``Objective.margin_use``), one oracle batch."""
         if not sets:
             return []
         self.calls += 1
         preds = self.oracle.predict([self.candidate(e, a) for e, a in sets])
         obj = self.config.objective
-        return [(predicted_ok(obj, p), margin_use(obj, p)) for p in preds]
+        return [(predicted_ok(obj, p), obj.margin_use(p)) for p in preds]
 
     def settle(self, groups: Sequence[tuple[Sequence[int], int | None]]) -> list[int | None]:
         """Each GPU's ``--max-loras``: ``current`` when it passes with it (no restart), else the TEST's choice
@@ -309,9 +296,9 @@ class _State:
         """``(GPU, its A)``: among ``targets`` that pass the TEST with ``e`` added -- with its ``A`` for a running
         server (no restart; with ``restart``, another slot value when its own fails), with any slot value for
         one started in this window (it has no flags yet) -- the one whose prediction is farthest from failing
-        (``margin_use``), then the least loaded. By margin, not only by load: a GPU filled up to the objective
-        passes its verification and then misses it on a replay's own draws, and one the learned oracle passes
-        near its starvation border the twin's verification fails and repair splits onto new GPUs
+        (``Objective.margin_use``), then the least loaded. By margin, not only by load: a GPU filled up to the
+        objective passes its verification and then misses it on a replay's own draws, and one the learned oracle
+        passes near its starvation border the twin's verification fails and repair splits onto new GPUs
         (docs/replan.md, "Evaluation over time")."""
         gs = self.targets(e, exclude)
         fresh = [g for g in gs if restart or self.gpus[g].server is None]
@@ -428,9 +415,7 @@ def _open_gpus(st: _State, homeless: list[int], pool: int | None) -> None:
     if not homeless:
         return
     ix = np.asarray(sorted(homeless), dtype=np.int64)
-    inst = st.inst
-    sub = replace(inst, adapter_ids=tuple(inst.adapter_ids[i] for i in ix), ranks=inst.ranks[ix],
-                  rates_rps=inst.rates_rps[ix], weights=inst.weights[ix])
+    sub = st.inst.subset(ix)
     fills = greedy_fill(sub, st.profile, st.oracle, st.config.objective, options=_options(st.config))
     for f in fills:
         entries = [int(ix[i]) for i in f.entries]
@@ -449,8 +434,8 @@ def _open_gpus(st: _State, homeless: list[int], pool: int | None) -> None:
 
 
 def _place_homeless(st: _State, homeless: list[int], pool: int | None) -> None:
-    """Step 3: hottest first onto the running GPU with the largest latency margin that passes with it
-    (``find_home``); the rest onto new GPUs."""
+    """Step 3: hottest first onto the running GPU farthest from failing that passes with it (``find_home``);
+    the rest onto new GPUs."""
     left = []
     for e in sorted(homeless, key=lambda x: (-st.inst.rates_rps[x], st.inst.adapter_ids[x])):
         home = st.find_home(e, set())
@@ -523,20 +508,16 @@ def _repack(st: _State, budget: float) -> int | None:
 
     used = sorted((g for g, gpu in enumerate(st.gpus) if gpu.entries), key=lambda g: (st.load(g), g))
     pool = used[:REPACK_POOL]
-    inst = st.inst
     tried = sorted((c for k in REPACK_SIZES if k <= len(pool) for c in itertools.combinations(pool, k)),
                    key=lambda c: (sum(len(st.gpus[g].entries) for g in c), c))
     for group in tried:
         entries = sorted(e for g in group for e in st.gpus[g].entries)
         ix = np.asarray(entries, dtype=np.int64)
-        sub = replace(inst, adapter_ids=tuple(inst.adapter_ids[i] for i in ix), ranks=inst.ranks[ix],
-                      rates_rps=inst.rates_rps[ix], weights=inst.weights[ix])
         try:
-            fills = greedy_fill(sub, st.profile, st.oracle, st.config.objective, pool=len(group) - 1,
+            fills = greedy_fill(st.inst.subset(ix), st.profile, st.oracle, st.config.objective, pool=len(group) - 1,
                                 options=_options(st.config))
         except Infeasible:
             continue
-        st.calls += 1
         best: tuple[int, tuple[int, ...]] | None = None
         for to in itertools.permutations(group, len(fills)):  # fill j -> GPU to[j]
             placed = [(int(ix[i]), g) for f, g in zip(fills, to, strict=True) for i in f.entries]

@@ -32,9 +32,9 @@ MIN_PAIR_GAP_S = 0.02
 # A replay whose client sent a request this late (a process stall on a busy machine) did not send the design:
 # it is run again (the twin is fed the actual send times either way; docs/testbed.md).
 MAX_SEND_LAG_S = 0.1
-# Likewise a replay in which the server's API loop queued a request this late (``RequestRecord.outside_engine_s``:
-# 5-42 ms on an idle machine; a CI run measured one whose engine first saw requests sent 0.4 s apart in reverse
-# order, agreement 0.90): the engine was not sent the design either.
+# Likewise a replay in which a request reached the engine's queue this late (``RequestRecord.outside_engine_s``:
+# 5-85 ms on an idle machine; a CI run's engine, by its own intervals, served requests sent up to 0.4 s later
+# first, agreement 0.90; docs/testbed.md): the engine was not sent the design either.
 MAX_OUTSIDE_ENGINE_S = 0.1
 
 
@@ -93,13 +93,14 @@ class StaircaseRun:
     def summary(self) -> dict:
         return {"design": self.design, "max_loras": self.max_loras, "agreement": round(self.agreement, 4),
                 "pairs": self.pairs, "max_send_lag_s": round(self.max_send_lag_s, 3), "attempts": self.attempts,
-                "time_scale": round(self.time_scale, 3), "max_outside_engine_s": round(self.max_outside_engine_s, 3)}
+                "time_scale": round(self.time_scale, 3),
+                "max_outside_engine_s": round(self.max_outside_engine_s, 3)}
 
     def explain(self) -> str:
         """First-token times per adapter, server and twin (for a failure message)."""
         lines = [f"attempt {self.attempts}: client send lag {self.max_send_lag_s:.3f} s, largest time outside the "
-                 f"engine {self.max_outside_engine_s:.3f} s; twin at the server's pace: steps x {self.time_scale:.3g} "
-                 "of the profile's"]
+                 f"engine {self.max_outside_engine_s:.3f} s; twin at the server's pace: steps x "
+                 f"{self.time_scale:.3g} of the profile's"]
         for a in ADAPTERS:
             idx = [i for i, r in enumerate(self.result.records) if r.adapter_id == a]
             real = np.array([self.result.records[i].t_first_server_s for i in idx])
