@@ -407,10 +407,15 @@ def compare_results(case: Case, ref: EngineResult, other: EngineResult, rtol: fl
         problems.append(
             f"{int(bad.sum())} requests differ; first: {describe_request(case, r)}; fields {fields}: "
             + ", ".join(f"{k} ref={getattr(ref, k)[r]!r} other={getattr(other, k)[r]!r}" for k in fields))
-    for name in ("n_steps", "n_preemptions", "n_gpu_loads", "n_disk_loads", "held_end"):
+    if ref.n_merged is not None and other.n_merged is not None:
+        merged = np.flatnonzero(np.asarray(ref.n_merged) != np.asarray(other.n_merged))
+        if len(merged):
+            problems.append(f"n_merged: {len(merged)} requests differ; first {int(merged[0])}: "
+                            f"ref={int(ref.n_merged[merged[0]])} other={int(other.n_merged[merged[0]])}")
+    for name in ("n_steps", "n_preemptions", "n_gpu_loads", "n_disk_loads", "held_end", "n_scrapes", "label_series"):
         if int(getattr(ref, name)) != int(getattr(other, name)):
             problems.append(f"{name}: ref={getattr(ref, name)} other={getattr(other, name)}")
-    for name in ("busy_s", "sched_s", "load_s"):
+    for name in ("busy_s", "sched_s", "load_s", "scrape_s"):
         if not _rel_close(np.array([getattr(ref, name)]), np.array([getattr(other, name)]), rtol)[0]:
             problems.append(f"{name}: ref={getattr(ref, name)!r} other={getattr(other, name)!r}")
     if ref.gap_hist is not None and other.gap_hist is not None:

@@ -80,13 +80,14 @@ from ..guards import Limits, check_engine
 from . import gaps as _gaps_mod
 from . import steptime as _steptime_mod
 from .jitcache import cached_njit
-from .types import INT32_MAX, TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays
+from .types import INT32_MAX, TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays, label_set_keys
 
 _compute_ms = cached_njit()(_steptime_mod.compute_ms)
 _sched_ms = cached_njit()(_steptime_mod.sched_ms)
 _gap_bin = cached_njit()(_gaps_mod.gap_bin)
 
 INF_KEY = np.int64(2**62)  # the key of an empty FIFO
+LABEL_SEEN_BITS = 24  # the API server's registry of label sets: a bitmap over this many fingerprint bits (2 MiB)
 WAITING, RUNNING, FINISHED = 1, 2, 3
 
 # Scalar state, named; one record per run so that a run can pause and resume (``Engine.advance_to``).
@@ -117,6 +118,26 @@ COUNTERS = np.dtype([
     ("running_lo", np.int64),  # the running list is slots running_lo .. running_lo + n_running - 1
     ("n_known", np.int64),  # requests in the arrays (a batch run: all; a live run: added so far)
     ("scheduled_tokens", np.int64),  # tokens of all steps so far (vllm:iteration_tokens_total's sum)
+    # the API server's loop (``_api_until``; docs/engine-semantics.md, "The API server")
+    ("api_free_s", np.float64),  # when the loop ends the work it has taken (step outputs, scrapes)
+    ("api_floor_s", np.float64),  # when it could take a request that arrived after its latest scrape ...
+    ("api_floor_before_s", np.float64),  # ... and one that arrived before it (in the latest interval)
+    ("api_first_scrape_s", np.float64),  # the first scrape of the latest interval (inf: none)
+    ("api_done_s", np.float64),  # arrivals up to this time have their ready time
+    ("api_next_index", np.int64),  # first arrival without a ready time
+    ("next_scrape_s", np.float64),  # when the /metrics poller asks next
+    ("batch_open", np.int64),  # 1: step outputs wait for the loop, to leave as one chunk per request
+    ("batch_start_s", np.float64),  # when the loop takes them
+    ("batch_work_s", np.float64),  # its work on them
+    ("batch_len", np.int64),  # requests with tokens in the batch (``ApiLoop.batch_requests``)
+    ("last_deliv_s", np.float64),  # when the latest chunks reached their clients
+    ("n_scrapes", np.int64),
+    ("scrape_s", np.float64),  # the loop's time on scrapes
+    ("label_hash", np.uint64),  # fingerprint of (adapters running, adapters waiting): XOR of per-adapter keys
+    ("label_last_hash", np.uint64),  # the one of the latest step
+    ("label_series", np.int64),  # distinct label sets recorded (vllm:lora_requests_info series)
+    ("label_names", np.int64),  # adapter names in their labels
+    ("n_waiting_adapters", np.int64),  # adapters with waiting requests
 ], align=True)
 
 class ServerLimits(NamedTuple):
@@ -137,6 +158,16 @@ class ServerLimits(NamedTuple):
     adapter_order: np.ndarray  # [adapter] position in the order the worker walks a batch's adapters
     lru_protects_batch: bool  # True: eviction never picks an adapter of the current batch (no cascade)
     admission_running: bool  # max_loras rule: True = adapters of all running requests count (vLLM 0.33)
+    # the API server's loop (``_api_until``); all zero and ``api_on`` False: not modelled, tokens reach the
+    # client at the step's end
+    api_on: bool
+    api_s_per_output: float  # the loop's work per output of a step
+    scrape_period_s: float  # the /metrics poller's sleep between a response and its next scrape; 0 = no poller
+    scrape_base_s: float  # a scrape's render time: fixed part ...
+    scrape_s_per_series: float  # ... per label series of vllm:lora_requests_info ...
+    scrape_s_per_name: float  # ... per adapter name in their labels
+    label_key_running: np.ndarray  # uint64 [adapter]: fingerprint keys of the label sets (zeros: not kept)
+    label_key_waiting: np.ndarray
     # a live run (``Engine.live``): more arrivals may come, so an idle engine waits until the caller's stop time
     # instead of jumping to the end of the window
     live: bool = False
@@ -156,6 +187,9 @@ class Requests(NamedTuple):
     t_last_token_s: np.ndarray  # when its latest token was streamed, kept while it waits (preempted)
     t_finish_s: np.ndarray
     n_preempted: np.ndarray
+    t_ready_s: np.ndarray  # when the API server handed it to the engine core (``_api_until``)
+    batch_tokens: np.ndarray  # its tokens in the open output batch (not delivered yet)
+    n_merged: np.ndarray  # tokens that reached the client in the chunk of an earlier token (merged chunks)
 
 class WaitingQueue(NamedTuple):
     """One FIFO per adapter (doubly linked through the requests) and two min-trees over the head keys."""
@@ -200,6 +234,14 @@ class AdapterCaches(NamedTuple):
     batch: np.ndarray  # the distinct adapters of this step's batch
     batch_old_touch: np.ndarray  # their stamps before this step
 
+class ApiLoop(NamedTuple):
+    """The API server's loop beside the scalar counters: the requests of the open output batch and the label
+    sets the metrics registry has seen."""
+
+    batch_requests: np.ndarray  # [counters.batch_len] requests with tokens in the open batch
+    label_seen: np.ndarray  # uint64 bitmap over the top LABEL_SEEN_BITS bits of a label set's fingerprint
+
+
 class EngineState(NamedTuple):
     requests: Requests
     queue: WaitingQueue
@@ -208,6 +250,7 @@ class EngineState(NamedTuple):
     timeline: np.ndarray  # [sample, TIMELINE_COLUMNS]
     gap_hist: np.ndarray  # inter-token gaps that ended in the window, binned by ``gaps.gap_bin``
     counters: np.ndarray  # one COUNTERS record
+    api: ApiLoop
 
 
 # ---- the waiting queue ---------------------------------------------------------------------------
@@ -247,7 +290,22 @@ def _publish_head(st, a):
 
 
 @njit(inline="always")
-def _push_tail(st, r, a):
+def _waiting_set_changed(lim, st, a, joins):
+    """Adapter ``a`` joins (or leaves) the set of adapters with waiting requests: the label set's fingerprint."""
+    c = st.counters[0]
+    c.label_hash ^= lim.label_key_waiting[a]
+    c.n_waiting_adapters += 1 if joins else -1
+
+
+@njit(inline="always")
+def _running_set_changed(lim, st, a):
+    """Adapter ``a`` joins or leaves the set of adapters with running requests (``n_active_adapters``)."""
+    c = st.counters[0]
+    c.label_hash ^= lim.label_key_running[a]
+
+
+@njit(inline="always")
+def _push_tail(lim, st, r, a):
     q = st.queue
     q.prev[r] = q.tail[a]
     q.next[r] = -1
@@ -256,11 +314,12 @@ def _push_tail(st, r, a):
     else:
         q.head[a] = r
         _publish_head(st, a)
+        _waiting_set_changed(lim, st, a, True)
     q.tail[a] = r
 
 
 @njit(inline="always")
-def _push_head(st, r, a):
+def _push_head(lim, st, r, a):
     q = st.queue
     q.prev[r] = -1
     q.next[r] = q.head[a]
@@ -268,12 +327,13 @@ def _push_head(st, r, a):
         q.prev[q.head[a]] = r
     else:
         q.tail[a] = r
+        _waiting_set_changed(lim, st, a, True)
     q.head[a] = r
     _publish_head(st, a)
 
 
 @njit(inline="always")
-def _pop_head(st, a):
+def _pop_head(lim, st, a):
     q = st.queue
     r = q.head[a]
     q.head[a] = q.next[r]
@@ -281,6 +341,7 @@ def _pop_head(st, a):
         q.prev[q.head[a]] = -1
     else:
         q.tail[a] = -1
+        _waiting_set_changed(lim, st, a, False)
     q.next[r] = -1
     return r
 
@@ -312,7 +373,10 @@ def _add_arrivals(lim, st):
     req = st.requests
     n = c.n_known
     t = c.t_s
-    while c.next_arrival_index < n and req.t_arr_s[c.next_arrival_index] <= t:
+    # with the API server's loop modelled a request joins once the loop has handed it over (``_api_until``
+    # gave every arrival up to now its ready time, never before its arrival; ready times grow with the index)
+    while c.next_arrival_index < n and req.t_arr_s[c.next_arrival_index] <= t and \
+            (not lim.api_on or req.t_ready_s[c.next_arrival_index] <= t):
         r = c.next_arrival_index
         if lim.client_cap_waiting > 0 and c.n_waiting >= lim.client_cap_waiting:
             j = max(r, c.held_end_index)  # everything before held_end_index is already marked
@@ -328,7 +392,7 @@ def _add_arrivals(lim, st):
         c.inflight_tokens += tokens
         req.status[r] = WAITING
         req.queue_key[r] = r
-        _push_tail(st, r, req.adapter[r])
+        _push_tail(lim, st, r, req.adapter[r])
         c.n_waiting += 1
         c.next_arrival_index = r + 1
 
@@ -341,7 +405,7 @@ def _running_lo(st):
 
 
 @njit(inline="always")
-def _preempt_tail(st):
+def _preempt_tail(lim, st):
     """Preempt the last running request (recompute): it loses its blocks and computed tokens and
     returns to the head of the waiting queue, ahead of every arrival."""
     c = st.counters[0]
@@ -361,7 +425,8 @@ def _preempt_tail(st):
     ad.n_running[a] -= 1
     if ad.n_running[a] == 0:
         c.n_active_adapters -= 1
-    _push_head(st, v, a)
+        _running_set_changed(lim, st, a)
+    _push_head(lim, st, v, a)
     c.n_waiting += 1
 
 
@@ -415,7 +480,7 @@ def _schedule_running(lim, st):
                         run.kv_blocks[s] += need
                         c.free_kv_blocks -= need
                     break
-                _preempt_tail(st)
+                _preempt_tail(lim, st)
                 preempted = True
                 if c.n_running == i:  # the victim was this request itself
                     break
@@ -446,7 +511,7 @@ def _admit(lim, st, r, a, num, need_blocks):
     """Move waiting request ``r`` (head of adapter ``a``'s FIFO) to a new running slot."""
     c = st.counters[0]
     run, req, ad = st.running, st.requests, st.adapters
-    _pop_head(st, a)
+    _pop_head(lim, st, a)
     c.n_waiting -= 1
     c.free_kv_blocks -= need_blocks
     req.status[r] = RUNNING
@@ -464,6 +529,7 @@ def _admit(lim, st, r, a, num, need_blocks):
     c.n_running += 1
     if ad.n_running[a] == 0:
         c.n_active_adapters += 1
+        _running_set_changed(lim, st, a)
     ad.n_running[a] += 1
     _publish_head(st, a)
 
@@ -603,8 +669,9 @@ def _activate_adapters(lim, st, n_adapters, n_missing):
 
 
 @njit(inline="always")
-def _finish(st, k, t_end_s, duration_s):
-    """``_free_request``: the request in slot ``k`` produced its last token at ``t_end_s``."""
+def _finish(lim, st, k, t_end_s, duration_s):
+    """``_free_request``: the request in slot ``k`` produced its last token at ``t_end_s`` (its client gets it
+    then, or when the API server's open batch leaves: ``_deliver_batch`` moves ``t_finish_s`` there)."""
     c = st.counters[0]
     run, req, ad = st.running, st.requests, st.adapters
     r = run.request[k]
@@ -622,6 +689,7 @@ def _finish(st, k, t_end_s, duration_s):
     ad.n_running[a] -= 1
     if ad.n_running[a] == 0:
         c.n_active_adapters -= 1
+        _running_set_changed(lim, st, a)
         _publish_head(st, a)
 
 
@@ -666,15 +734,146 @@ def _compact_running(st, first_finished, last_finished, n_finished):
     c.n_running = n - n_finished
 
 
+# ---- the API server's loop -------------------------------------------------------------------------
+# vLLM's API server is one asyncio loop (docs/engine-semantics.md, "The API server"; docs/trust-under-load.md):
+# it hands arrivals to the engine core, turns every step's outputs into chunks for the clients (vLLM 0.8.5
+# ``AsyncLLM._run_output_handler``: work per output) and answers /metrics scrapes, whose rendering stops it for
+# a time that grows with the label series of ``vllm:lora_requests_info`` (one per distinct set of running and
+# waiting adapters ever seen, ``PrometheusStatLogger.record``). Step outputs that arrive while it is busy wait
+# and leave together, one chunk per request (``RequestOutputCollector`` merges them).
+
+
+@njit(inline="always")
+def _api_floor(c):
+    """When the loop could take new work: after the open output batch, else when its work ends."""
+    return c.batch_start_s + c.batch_work_s if c.batch_open else c.api_free_s
+
+
+@njit(inline="always")
+def _deliver_batch(lim, st):
+    """The loop took the open batch at ``batch_start_s``: each of its requests gets one chunk at the batch's end
+    (its first token, or one gap since its previous chunk; the other tokens merged into it)."""
+    c = st.counters[0]
+    req, run = st.requests, st.running
+    d = c.batch_start_s + c.batch_work_s
+    lo = _running_lo(st)
+    for i in range(c.n_running):  # the running ones keep their latest chunk's time in their slot too
+        if req.batch_tokens[run.request[lo + i]] > 0:
+            run.t_last_token_s[lo + i] = d
+    for j in range(c.batch_len):
+        r = st.api.batch_requests[j]
+        if math.isnan(req.t_first_s[r]):
+            req.t_first_s[r] = d
+        elif d <= lim.duration_s:
+            st.gap_hist[_gap_bin(d - req.t_last_token_s[r])] += 1
+        req.n_merged[r] += req.batch_tokens[r] - 1
+        req.batch_tokens[r] = 0
+        req.t_last_token_s[r] = d
+        if req.status[r] == FINISHED and req.output_tokens_done[r] == req.output_tokens[r]:
+            req.t_finish_s[r] = d  # (an aborted request keeps NaN)
+    c.batch_open = 0
+    c.batch_len = 0
+    c.api_free_s = d
+    c.last_deliv_s = d
+
+
+@njit(inline="always")
+def _api_until(lim, st, t):
+    """The loop's events up to time ``t``, in time order: /metrics scrapes, and the ready time of each arrival
+    (when the loop hands it to the engine core: at once, or once the work the loop had then is done). The
+    outputs of the step ending at ``t`` come after the arrivals up to ``t`` (``_api_take_outputs``).
+
+    An arrival that a live engine learns of after the loop passed its time (added after a step that ran past
+    it) gets what a batch run gave it: the floor of the interval it fell in (before or after its first scrape)."""
+    c = st.counters[0]
+    req = st.requests
+    while c.api_next_index < c.n_known and req.t_arr_s[c.api_next_index] <= c.api_done_s:
+        r = c.api_next_index
+        x = req.t_arr_s[r]
+        req.t_ready_s[r] = max(x, c.api_floor_before_s if x < c.api_first_scrape_s else c.api_floor_s)
+        c.api_next_index = r + 1
+    if t <= c.api_done_s:
+        return
+    c.api_floor_before_s = _api_floor(c)
+    c.api_first_scrape_s = math.inf
+    if lim.scrape_period_s > 0.0:
+        while c.next_scrape_s <= t:
+            if c.batch_open:  # the scrape waits for the outputs queued before it
+                _deliver_batch(lim, st)
+            if c.api_first_scrape_s == math.inf:
+                c.api_first_scrape_s = c.next_scrape_s
+            render_s = (lim.scrape_base_s + lim.scrape_s_per_series * c.label_series
+                        + lim.scrape_s_per_name * c.label_names)
+            c.api_free_s = max(c.api_free_s, c.next_scrape_s) + render_s
+            c.n_scrapes += 1
+            c.scrape_s += render_s
+            c.next_scrape_s = c.api_free_s + lim.scrape_period_s  # the poller sleeps after each answer
+    c.api_floor_s = _api_floor(c)
+    while c.api_next_index < c.n_known and req.t_arr_s[c.api_next_index] <= t:
+        r = c.api_next_index
+        x = req.t_arr_s[r]
+        req.t_ready_s[r] = max(x, c.api_floor_before_s if x < c.api_first_scrape_s else c.api_floor_s)
+        c.api_next_index = r + 1
+    c.api_done_s = t
+
+
+@njit(inline="always")
+def _api_take_outputs(lim, st, n_outputs, t_end_s):
+    """The outputs of a step that ended at ``t_end_s`` reach the loop. Returns when their chunks reach the
+    clients, or -1.0 when they join the open batch (the loop is busy: they leave with it, ``_deliver_batch``)."""
+    c = st.counters[0]
+    _api_until(lim, st, t_end_s)
+    if c.batch_open and c.batch_start_s <= t_end_s:  # the loop took the batch before these outputs came
+        _deliver_batch(lim, st)
+    work_s = lim.api_s_per_output * n_outputs
+    if not c.batch_open and c.api_free_s <= t_end_s:
+        c.api_free_s = t_end_s + work_s
+        return c.api_free_s
+    if not c.batch_open:
+        c.batch_open = 1
+        c.batch_start_s = c.api_free_s
+        c.batch_work_s = 0.0
+    c.batch_work_s += work_s
+    return -1.0
+
+
+@njit(inline="always")
+def _record_label_set(st):
+    """``PrometheusStatLogger.record`` once per step: a (running adapters, waiting adapters) set not seen before
+    is a new label series of ``vllm:lora_requests_info``, never removed (its fingerprint's top bits mark it in a
+    bitmap: two sets sharing them count once, a few in a million)."""
+    c = st.counters[0]
+    h = c.label_hash
+    if h == c.label_last_hash:
+        return
+    c.label_last_hash = h
+    seen = st.api.label_seen
+    bit = h >> np.uint64(64 - LABEL_SEEN_BITS)
+    word = bit >> np.uint64(6)
+    mask = np.uint64(1) << (bit & np.uint64(63))
+    if seen[word] & mask == 0:
+        seen[word] |= mask
+        c.label_series += 1
+        c.label_names += c.n_active_adapters + c.n_waiting_adapters
+
+
 @njit(inline="always")
 def _update_from_output(lim, st, n_scheduled, t_end_s):
     """Tokens computed; a request whose computed tokens reach its length samples one token (its first
     sets ``t_first_s``; the others add their gap to the ITL histogram); requests with all their output
-    tokens finish."""
+    tokens finish. The client gets the tokens when the API server's loop has turned them into chunks
+    (``_api_take_outputs``): at the step's end when it is not modelled, later, or with the next open batch."""
     run, req = st.running, st.requests
-    t_start_s = st.counters[0].t_s
-    in_window = t_end_s <= lim.duration_s
-    n_gaps_of_this_step = 0  # tokens whose previous one ended the previous step: gap = this step
+    c = st.counters[0]
+    if lim.api_on:
+        deliver_s = _api_take_outputs(lim, st, n_scheduled, t_end_s)  # (every scheduled request counts)
+        last_deliv_s = c.last_deliv_s
+    else:
+        deliver_s = t_end_s
+        last_deliv_s = c.t_s  # the step's start: the end of the previous step
+    batched = deliver_s < 0.0
+    in_window = deliver_s <= lim.duration_s
+    n_gaps_of_this_step = 0  # tokens whose previous chunk was the previous delivery: one gap each, the same
     first_finished = -1
     last_finished = -1
     n_finished = 0
@@ -683,22 +882,32 @@ def _update_from_output(lim, st, n_scheduled, t_end_s):
         k = lo + i
         if run.computed_tokens[k] == run.prompt_tokens[k] + run.output_tokens[k]:
             run.output_tokens[k] += 1
-            if run.output_tokens[k] == 1:
-                req.t_first_s[run.request[k]] = t_end_s
-            elif in_window:
-                if run.t_last_token_s[k] == t_start_s:
-                    n_gaps_of_this_step += 1
-                else:  # after a stall or a preemption: one long gap
-                    st.gap_hist[_gap_bin(t_end_s - run.t_last_token_s[k])] += 1
-            run.t_last_token_s[k] = t_end_s
+            if batched:
+                r = run.request[k]
+                if req.batch_tokens[r] == 0:
+                    req.t_last_token_s[r] = run.t_last_token_s[k]
+                    st.api.batch_requests[c.batch_len] = r
+                    c.batch_len += 1
+                req.batch_tokens[r] += 1
+            else:
+                if run.output_tokens[k] == 1:
+                    req.t_first_s[run.request[k]] = deliver_s
+                elif in_window:
+                    if run.t_last_token_s[k] == last_deliv_s:
+                        n_gaps_of_this_step += 1
+                    else:  # after a stall or a preemption: one long gap
+                        st.gap_hist[_gap_bin(deliver_s - run.t_last_token_s[k])] += 1
+                run.t_last_token_s[k] = deliver_s
             if run.output_tokens[k] == run.target_output_tokens[k]:
-                _finish(st, k, t_end_s, lim.duration_s)
+                _finish(lim, st, k, t_end_s if batched else deliver_s, lim.duration_s)
                 if first_finished < 0:
                     first_finished = i
                 last_finished = i
                 n_finished += 1
     if n_gaps_of_this_step > 0:  # one histogram update per step for them
-        st.gap_hist[_gap_bin(t_end_s - t_start_s)] += n_gaps_of_this_step
+        st.gap_hist[_gap_bin(deliver_s - last_deliv_s)] += n_gaps_of_this_step
+    if not batched:
+        c.last_deliv_s = deliver_s
     if n_finished > 0:
         _compact_running(st, first_finished, last_finished, n_finished)
 
@@ -708,6 +917,8 @@ def _step(lim, st, t_stop_s):
     """One iteration of the engine loop: arrivals, schedule, adapters, step time, update."""
     c = st.counters[0]
     _emit_samples(lim, st, True)
+    if lim.api_on:
+        _api_until(lim, st, c.t_s)
     _add_arrivals(lim, st)
     budget, n_scheduled, n_decode, ctx_tokens, preempted, n_adapters, n_missing = _schedule_running(lim, st)
     if not preempted:
@@ -716,8 +927,11 @@ def _step(lim, st, t_stop_s):
     if n_scheduled == 0:  # idle: jump to the next arrival (no step time charged)
         req = st.requests
         nxt = c.next_arrival_index
-        if nxt < c.n_known and req.t_arr_s[nxt] > c.t_s:
-            c.t_s = req.t_arr_s[nxt]
+        # the next arrival's time, or when the API server's loop hands it over, if it has passed its arrival
+        t_next = req.t_ready_s[nxt] if lim.api_on and nxt < c.api_next_index else req.t_arr_s[nxt] \
+            if nxt < c.n_known else 0.0
+        if nxt < c.n_known and t_next > c.t_s:
+            c.t_s = t_next
         elif lim.live:  # arrivals not known yet may come before the stop time: wait there
             c.t_s = max(c.t_s, min(t_stop_s, lim.duration_s))
         else:
@@ -732,6 +946,8 @@ def _step(lim, st, t_stop_s):
     dt_s = step_ms / 1000.0
     t_end_s = c.t_s + dt_s
     _update_from_output(lim, st, n_scheduled, t_end_s)
+    if lim.scrape_period_s > 0.0:
+        _record_label_set(st)
     c.t_s = t_end_s
     c.step += 1
     c.scheduled_tokens += n_tokens
@@ -752,6 +968,8 @@ def _advance(lim, st, t_stop_s):
         _step(lim, st, t_stop_s)
     if c.t_s >= lim.duration_s:  # the run is over: the remaining samples show the final state
         _emit_samples(lim, st, False)
+        if c.batch_open:  # and the API server's loop sends what it holds
+            _deliver_batch(lim, st)
 
 
 def _advance_python(lim: ServerLimits, st: EngineState, t_stop_s: float) -> None:
@@ -762,6 +980,8 @@ def _advance_python(lim: ServerLimits, st: EngineState, t_stop_s: float) -> None
         _step.py_func(lim, st, t_stop_s)
     if c.t_s >= lim.duration_s:
         _emit_samples(lim, st, False)
+        if c.batch_open:
+            _deliver_batch(lim, st)
 
 
 def _timeline_samples(duration_s: float, timeline_dt_s: float) -> int:
@@ -785,7 +1005,8 @@ def new_state(cfg: EngineConfig, req: RequestArrays, live: bool = False) -> Engi
         t_arr_s=req.t_arr_s, adapter=req.adapter, prompt_tokens=req.prompt_tokens, output_tokens=req.output_tokens,
         status=np.zeros(n, np.int8), queue_key=np.zeros(n, np.int64), output_tokens_done=np.zeros(n, np.int64),
         t_sent_s=np.full(n, np.nan), t_first_s=np.full(n, np.nan), t_last_token_s=np.full(n, np.nan),
-        t_finish_s=np.full(n, np.nan), n_preempted=np.zeros(n, np.int32))
+        t_finish_s=np.full(n, np.nan), n_preempted=np.zeros(n, np.int32), t_ready_s=np.full(n, np.nan),
+        batch_tokens=np.zeros(n, np.int32), n_merged=np.zeros(n, np.int32))
     queue = WaitingQueue(
         head=np.full(n_ad, -1, np.int64), tail=np.full(n_ad, -1, np.int64), next=np.full(n, -1, np.int64),
         prev=np.full(n, -1, np.int64), all_key=np.full(2 * size, INF_KEY, np.int64),
@@ -825,17 +1046,34 @@ def new_state(cfg: EngineConfig, req: RequestArrays, live: bool = False) -> Engi
     c.n_cpu_resident = n_cpu
     n_samples = 0 if live else _timeline_samples(float(cfg.duration_s), float(cfg.timeline_dt_s))
     timeline = np.zeros((n_samples, len(TIMELINE_COLUMNS)))
-    return EngineState(requests, queue, running, adapters, timeline, _gaps_mod.new_histogram(), counters)
+    c.next_scrape_s = 0.0  # the poller's first scrape: at the start
+    c.api_first_scrape_s = math.inf
+    c.api_done_s = -math.inf
+    scraped = float(cfg.metrics_scrape_s) > 0.0
+    api = ApiLoop(batch_requests=np.zeros(max(n, 1) if _api_on(cfg) else 1, np.int64),
+                  label_seen=np.zeros(2 ** (LABEL_SEEN_BITS - 6) if scraped else 1, np.uint64))
+    return EngineState(requests, queue, running, adapters, timeline, _gaps_mod.new_histogram(), counters, api)
+
+
+def _api_on(cfg: EngineConfig) -> bool:
+    """Is the API server's loop modelled (docs/engine-semantics.md, "The API server")?"""
+    return float(cfg.api_ms_per_output) > 0.0 or float(cfg.metrics_scrape_s) > 0.0
 
 
 def server_limits(cfg: EngineConfig) -> ServerLimits:
+    keys_running, keys_waiting = label_set_keys(cfg)
     return ServerLimits(
         max_loras=int(cfg.max_loras), max_cpu_loras=int(cfg.max_cpu_loras), kv_blocks=int(cfg.kv_blocks),
         block_size_tokens=int(cfg.block_size), max_num_seqs=int(cfg.max_num_seqs),
         max_num_batched_tokens=int(cfg.max_num_batched_tokens), client_cap_waiting=int(cfg.client_cap),
         duration_s=float(cfg.duration_s), timeline_dt_s=float(cfg.timeline_dt_s), step_coef=cfg.step_coef,
         load_ms=cfg.load_ms, disk_ms=cfg.disk_ms, adapter_order=cfg.adapter_walk_order(),
-        lru_protects_batch=bool(cfg.lru_protects_batch), admission_running=cfg.admission == "running")
+        lru_protects_batch=bool(cfg.lru_protects_batch), admission_running=cfg.admission == "running",
+        api_on=_api_on(cfg), api_s_per_output=float(cfg.api_ms_per_output) / 1000.0,
+        scrape_period_s=float(cfg.metrics_scrape_s), scrape_base_s=float(cfg.scrape_base_ms) / 1000.0,
+        scrape_s_per_series=float(cfg.scrape_us_per_series) / 1e6,
+        scrape_s_per_name=float(cfg.scrape_us_per_label_name) / 1e6,
+        label_key_running=keys_running, label_key_waiting=keys_waiting)
 
 
 LIVE_MIN_CAPACITY = 64  # first size of a live engine's request arrays
@@ -877,6 +1115,8 @@ def _abort(lim, st, r):
         else:
             q.head[a] = nx
             _publish_head(st, a)
+        if p < 0 and nx < 0:
+            _waiting_set_changed(lim, st, a, False)
         q.next[r] = -1
         q.prev[r] = -1
         c.n_waiting -= 1
@@ -894,6 +1134,7 @@ def _abort(lim, st, r):
         ad.n_running[a] -= 1
         if ad.n_running[a] == 0:
             c.n_active_adapters -= 1
+            _running_set_changed(lim, st, a)
             _publish_head(st, a)
     else:
         return
@@ -1009,7 +1250,8 @@ class Engine:
         req.t_arr_s[r], req.adapter[r] = t, adapter
         req.prompt_tokens[r], req.output_tokens[r] = prompt_tokens, output_tokens
         req.status[r], req.queue_key[r], req.output_tokens_done[r], req.n_preempted[r] = 0, 0, 0, 0
-        req.t_sent_s[r] = req.t_first_s[r] = req.t_last_token_s[r] = req.t_finish_s[r] = np.nan
+        req.batch_tokens[r], req.n_merged[r] = 0, 0
+        req.t_sent_s[r] = req.t_first_s[r] = req.t_last_token_s[r] = req.t_finish_s[r] = req.t_ready_s[r] = np.nan
         self.state.queue.next[r] = self.state.queue.prev[r] = -1
         book.ids[r], book.drained[r] = book.next_id, False
         book.next_id += 1
@@ -1056,14 +1298,16 @@ class Engine:
         self._settle_aborts()
         n = int(self.counters["n_known"])
         req = self.state.requests
-        new = (req.status[:n] == FINISHED) & ~book.drained[:n]
+        # (a request whose last tokens wait in the API server's open batch has not reached its client yet)
+        new = (req.status[:n] == FINISHED) & ~book.drained[:n] & (req.batch_tokens[:n] == 0)
         idx = np.flatnonzero(new)
         book.drained[idx] = True
         return {"id": book.ids[idx].copy(), "adapter": req.adapter[idx].copy(),
                 "prompt_tokens": req.prompt_tokens[idx].copy(), "output_tokens": req.output_tokens[idx].copy(),
                 "t_arr_s": req.t_arr_s[idx].copy(), "t_sent_s": req.t_sent_s[idx].copy(),
                 "t_first_s": req.t_first_s[idx].copy(), "t_finish_s": req.t_finish_s[idx].copy(),
-                "n_preempted": req.n_preempted[idx].copy(), "tokens_out": req.output_tokens_done[idx].copy()}
+                "n_preempted": req.n_preempted[idx].copy(), "tokens_out": req.output_tokens_done[idx].copy(),
+                "n_merged": req.n_merged[idx].copy()}
 
     def running_outputs(self) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, output tokens produced so far)`` of the running requests only (the cheap part of
@@ -1147,8 +1391,15 @@ class Engine:
                              active_key=remap(q.active_key), active_adapter=q.active_adapter)
         lo, n_run = int(c["running_lo"]), int(c["n_running"])
         st.running.request[lo:lo + n_run] = new_of_old[st.running.request[lo:lo + n_run]]
-        self.state = st._replace(requests=requests, queue=queue)
+        api = st.api
+        if _api_on(self.cfg):  # the API server's open batch (no drained request is in it)
+            batch = np.zeros(cap, np.int64)
+            n_batch = int(c["batch_len"])
+            batch[:n_batch] = new_of_old[api.batch_requests[:n_batch]]
+            api = api._replace(batch_requests=batch)
+        self.state = st._replace(requests=requests, queue=queue, api=api)
         c = self.counters
+        c["api_next_index"] = int(np.searchsorted(keep, int(c["api_next_index"])))
         c["next_arrival_index"] = int(np.searchsorted(keep, int(c["next_arrival_index"])))
         c["held_end_index"] = int(np.searchsorted(keep, int(c["held_end_index"])))
         c["n_known"] = n_keep
@@ -1198,6 +1449,8 @@ class Engine:
             load_s=float(c["load_s"]), held_end=int(c["held_end_index"]),
             timeline={name: self.state.timeline[:n_rows, j] for j, name in enumerate(TIMELINE_COLUMNS)},
             gap_hist=self.state.gap_hist.copy(), ttft_overhead_ms=float(self.cfg.ttft_overhead_ms),
+            n_merged=req.n_merged, n_scrapes=int(c["n_scrapes"]), scrape_s=float(c["scrape_s"]),
+            label_series=int(c["label_series"]),
         )
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from .gaps import gap_bin, new_histogram
 from .steptime import compute_ms, sched_ms
-from .types import TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays
+from .types import TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays, label_set_keys
 
 # request status
 NOT_INJECTED, WAITING, RUNNING, FINISHED = 0, 1, 2, 3
@@ -192,6 +192,89 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
     ptr = 0
     held_end = 0
 
+    # ---------------------------------------------------------------- the API server's loop ("The API server")
+    api_on = float(cfg.api_ms_per_output) > 0.0 or float(cfg.metrics_scrape_s) > 0.0
+    api_s_per_output = float(cfg.api_ms_per_output) / 1000.0
+    scrape_period = float(cfg.metrics_scrape_s)
+    scrape_base_s = float(cfg.scrape_base_ms) / 1000.0
+    scrape_s_per_series = float(cfg.scrape_us_per_series) / 1e6
+    scrape_s_per_name = float(cfg.scrape_us_per_label_name) / 1e6
+    key_running, key_waiting = (list(map(int, k)) for k in label_set_keys(cfg))
+    ready = [nan] * n  # when the loop handed the request to the engine core
+    n_merged = [0] * n
+    api = {"free": 0.0, "floor_before": 0.0, "floor_after": 0.0, "first_scrape": math.inf, "done": -math.inf,
+           "next": 0, "next_scrape": 0.0, "batch_start": 0.0, "batch_work": 0.0, "last_deliv": 0.0,
+           "n_scrapes": 0, "scrape_s": 0.0}
+    batch: dict[int, int] = {}  # the open batch: request -> its tokens in it (insertion order)
+    batch_open = False
+    label_seen: set[int] = set()  # the registry's label sets, by the top bits of their fingerprint
+    label_last = 0
+    label_series = 0
+    label_names = 0
+
+    def api_floor() -> float:
+        return api["batch_start"] + api["batch_work"] if batch_open else api["free"]
+
+    def deliver_batch() -> None:
+        """The loop sends the open batch: one chunk per request at its end."""
+        nonlocal batch_open
+        d = api["batch_start"] + api["batch_work"]
+        for r, k in batch.items():
+            if math.isnan(t_first[r]):
+                t_first[r] = d
+            elif d <= duration:
+                gap_hist[gap_bin(d - t_last_token[r])] += 1
+            n_merged[r] += k - 1
+            t_last_token[r] = d
+            if status[r] == FINISHED and out_done[r] == output[r]:
+                t_finish[r] = d
+        batch.clear()
+        batch_open = False
+        api["free"] = d
+        api["last_deliv"] = d
+
+    def api_until(t_now: float) -> None:
+        """Scrapes up to ``t_now`` in time order, then each arrival's ready time: max(arrival, the loop's floor
+        before the interval's first scrape if it came before it, else after its scrapes)."""
+        if t_now <= api["done"]:
+            return
+        api["floor_before"] = api_floor()
+        api["first_scrape"] = math.inf
+        if scrape_period > 0.0:
+            while api["next_scrape"] <= t_now:
+                if batch_open:
+                    deliver_batch()
+                if api["first_scrape"] == math.inf:
+                    api["first_scrape"] = api["next_scrape"]
+                render_s = scrape_base_s + scrape_s_per_series * label_series + scrape_s_per_name * label_names
+                api["free"] = max(api["free"], api["next_scrape"]) + render_s
+                api["n_scrapes"] += 1
+                api["scrape_s"] += render_s
+                api["next_scrape"] = api["free"] + scrape_period
+        api["floor_after"] = api_floor()
+        while api["next"] < n and t_arr[api["next"]] <= t_now:
+            r = api["next"]
+            ready[r] = max(t_arr[r], api["floor_before"] if t_arr[r] < api["first_scrape"] else api["floor_after"])
+            api["next"] = r + 1
+        api["done"] = t_now
+
+    def take_outputs(n_outputs: int, t_end_s: float) -> float:
+        """A step's outputs reach the loop: when their chunks leave, or -1.0 (they join the open batch)."""
+        nonlocal batch_open
+        api_until(t_end_s)
+        if batch_open and api["batch_start"] <= t_end_s:
+            deliver_batch()
+        work_s = api_s_per_output * n_outputs
+        if not batch_open and api["free"] <= t_end_s:
+            api["free"] = t_end_s + work_s
+            return api["free"]
+        if not batch_open:
+            batch_open = True
+            api["batch_start"] = api["free"]
+            api["batch_work"] = 0.0
+        api["batch_work"] += work_s
+        return -1.0
+
     # ---------------------------------------------------------------- timeline
     timeline: dict[str, list] = {c: [] for c in TIMELINE_COLUMNS}
     k_next = 0
@@ -218,9 +301,12 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
         # 0. timeline samples up to the current time, with the current state
         emit_samples(t)
 
-        # 1. inject arrivals with t_arr <= t at the waiting tail (client cap: hold them back)
+        # 1. inject arrivals with t_arr <= t at the waiting tail (client cap: hold them back); with the API
+        #    server's loop, once it has handed them over (ready <= t)
+        if api_on:
+            api_until(t)
         injected: list[int] = []
-        while ptr < n and t_arr[ptr] <= t:
+        while ptr < n and t_arr[ptr] <= t and (not api_on or ready[ptr] <= t):
             if client_cap > 0 and len(waiting) >= client_cap:
                 first_later = ptr
                 while first_later < n and t_arr[first_later] <= t:
@@ -309,8 +395,9 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
                 assert not admitted
             n_idle += 1
             n_idle_preemptions += len(victims)
-            if ptr < n and t_arr[ptr] > t:
-                t = t_arr[ptr]
+            t_next = (ready[ptr] if api_on and ptr < api["next"] else t_arr[ptr]) if ptr < n else 0.0
+            if ptr < n and t_next > t:
+                t = t_next
             else:
                 t = duration
             continue
@@ -371,6 +458,9 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
 
         # 7. update at the step end, in scheduling order
         t_end = t + dt
+        # the client gets the tokens at the step end, when the API server's loop has made them chunks, or with
+        # its open batch (deliver = -1)
+        deliver = take_outputs(b, t_end) if api_on else t_end
         finished: list[int] = []
         for r, n_r in scheduled:
             computed[r] += n_r
@@ -378,13 +468,16 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
             tokens_computed_total += n_r
             if computed[r] == prompt[r] + out_done[r]:
                 out_done[r] += 1
-                if out_done[r] == 1:
-                    t_first[r] = t_end
-                elif t_end <= duration:
-                    gap_hist[gap_bin(t_end - t_last_token[r])] += 1
-                t_last_token[r] = t_end
+                if deliver < 0.0:
+                    batch[r] = batch.get(r, 0) + 1
+                else:
+                    if out_done[r] == 1:
+                        t_first[r] = deliver
+                    elif deliver <= duration:
+                        gap_hist[gap_bin(deliver - t_last_token[r])] += 1
+                    t_last_token[r] = deliver
                 if out_done[r] == output[r]:
-                    t_finish[r] = t_end
+                    t_finish[r] = t_end if deliver < 0.0 else deliver
                     free_blocks += blocks[r]
                     blocks[r] = 0
                     running.remove(r)
@@ -430,6 +523,22 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
                 b_dec=b_dec, ctx=ctx, n_lora=n_lora, sched_ms=step_sched_ms, load_ms=step_load_ms,
                 compute_ms=step_compute_ms, dt_s=dt))
 
+        if deliver >= 0.0:
+            api["last_deliv"] = deliver
+        # the metrics registry records the label set once per step: a set never seen is a new series
+        if scrape_period > 0.0:
+            h = 0
+            for a in {adapter[r] for r in running}:
+                h ^= key_running[a]
+            for a in {adapter[r] for r in waiting}:
+                h ^= key_waiting[a]
+            if h != label_last:
+                label_last = h
+                if h >> 40 not in label_seen:
+                    label_seen.add(h >> 40)
+                    label_series += 1
+                    label_names += len({adapter[r] for r in running}) + len({adapter[r] for r in waiting})
+
         max_running = max(max_running, n_running_sched)
         max_u_step = max(max_u_step, len(u_step))
         t = t_end
@@ -439,8 +548,10 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
         sched_s += step_sched_ms / 1000.0
         load_s += step_load_ms / 1000.0
 
-    # after the loop: the remaining samples with the final state
+    # after the loop: the remaining samples with the final state, and what the API server's loop holds
     emit_samples(math.inf)
+    if batch_open:
+        deliver_batch()
 
     result = EngineResult(
         t_sent_s=np.array(t_sent, dtype=np.float64),
@@ -466,6 +577,10 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
         },
         gap_hist=gap_hist,
         ttft_overhead_ms=float(cfg.ttft_overhead_ms),
+        n_merged=np.array(n_merged, dtype=np.int32),
+        n_scrapes=api["n_scrapes"],
+        scrape_s=api["scrape_s"],
+        label_series=label_series,
     )
     trace = ReferenceTrace(
         final_t_s=t,

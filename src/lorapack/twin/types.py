@@ -178,6 +178,15 @@ class EngineConfig:
     # adapters of the requests scheduled this step count (vLLM <= 0.32), "running" = those of all running
     # requests (vLLM 0.33). See docs/engine-semantics.md, waiting pass.
     admission: str = "scheduled"
+    # vLLM's API server loop (docs/engine-semantics.md, "The API server"): its work per output of a step (ms),
+    # the sleep of a /metrics poller between an answer and its next scrape (s; 0 = none), and a scrape's render
+    # time: fixed, per label series of vllm:lora_requests_info and per adapter name in their labels. All 0: the
+    # loop is not modelled (every token reaches its client at the end of its step).
+    api_ms_per_output: float = 0.0
+    metrics_scrape_s: float = 0.0
+    scrape_base_ms: float = 0.0
+    scrape_us_per_series: float = 0.0
+    scrape_us_per_label_name: float = 0.0
 
     def __post_init__(self) -> None:
         self.check()
@@ -228,10 +237,13 @@ class EngineConfig:
             if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating) \
                     or not math.isfinite(v) or v <= 0:
                 raise SpecError(f"{name} {v!r}: expected a finite number of seconds > 0")
-        v = self.ttft_overhead_ms
-        if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating) \
-                or not math.isfinite(v) or v < 0:
-            raise SpecError(f"ttft_overhead_ms {v!r}: expected a finite number of ms >= 0")
+        for name, unit in (("ttft_overhead_ms", "ms"), ("api_ms_per_output", "ms"), ("metrics_scrape_s", "seconds"),
+                           ("scrape_base_ms", "ms"), ("scrape_us_per_series", "µs"),
+                           ("scrape_us_per_label_name", "µs")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating) \
+                    or not math.isfinite(v) or v < 0:
+                raise SpecError(f"{name} {v!r}: expected a finite number of {unit} >= 0")
         if self.admission not in ("scheduled", "running"):
             raise SpecError(f"admission {self.admission!r}: expected 'scheduled' or 'running'")
         if not isinstance(self.lru_protects_batch, bool | np.bool_):
@@ -255,6 +267,17 @@ class EngineConfig:
     @property
     def n_adapters(self) -> int:
         return len(self.load_ms)
+
+
+def label_set_keys(cfg: EngineConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per adapter, the keys of the fingerprint of a (running adapters, waiting adapters) label set: the XOR of
+    the "running" key of each adapter with running requests and the "waiting" key of each with waiting ones
+    (fixed draws; zeros when no /metrics poller reads the label sets)."""
+    n = cfg.n_adapters
+    if not float(cfg.metrics_scrape_s) > 0.0:
+        return np.zeros(n, np.uint64), np.zeros(n, np.uint64)
+    keys = np.random.default_rng([0x1AB, n]).integers(0, 2**64, size=(2, n), dtype=np.uint64, endpoint=False)
+    return keys[0].copy(), keys[1].copy()
 
 
 def default_walk_order(n_adapters: int) -> np.ndarray:
@@ -294,6 +317,12 @@ class EngineResult:
     # inter-token gaps that ended in the window (``gaps.gap_bin`` bins); None from engines that keep none
     gap_hist: np.ndarray | None = None
     ttft_overhead_ms: float = 0.0  # EngineConfig.ttft_overhead_ms: the metrics add it to every TTFT
+    # per request, tokens that reached the client in the chunk of an earlier one (the API server's loop was
+    # behind: one chunk for several steps); None from engines that do not model the loop
+    n_merged: np.ndarray | None = None
+    n_scrapes: int = 0  # /metrics scrapes answered
+    scrape_s: float = 0.0  # the API server's loop's time on them
+    label_series: int = 0  # label series of vllm:lora_requests_info at the end
 
     def expanded(self, kept: np.ndarray) -> EngineResult:
         """This result of the requests ``kept`` (a mask over a larger request list) laid out over that whole
@@ -309,4 +338,5 @@ class EngineResult:
         held = int(idx[self.held_end]) if self.held_end < len(idx) else n
         return dataclasses.replace(self, t_sent_s=spread(self.t_sent_s, np.nan), t_first_s=spread(self.t_first_s, np.nan),
                                    t_finish_s=spread(self.t_finish_s, np.nan), n_preempted=spread(self.n_preempted, 0),
-                                   held_end=held)
+                                   held_end=held,
+                                   n_merged=None if self.n_merged is None else spread(self.n_merged, 0))

@@ -1,0 +1,185 @@
+"""The API server's loop in the engines (docs/engine-semantics.md, "The API server"; docs/trust-under-load.md).
+
+* the fast engine reproduces the literal reference engine with the loop modelled (per-output work, /metrics
+  scrapes whose render time grows with the label series, merged chunks), per request and in every counter;
+* a live engine gives the batch run's results with it, bit for bit;
+* switched off (all constants 0) the engines are the engines without it (the existing suites check them);
+* hand-made cases pin the rules: a scrape stalls arrivals and delivery, outputs queued behind it leave as one
+  chunk per request, and the render time follows the registry of label sets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine_cases import build_case, case_params, compare_results, describe_case
+from lorapack.twin.engine import Engine, simulate_fast
+from lorapack.twin.reference import simulate_reference
+from lorapack.twin.steptime import StepModel
+from lorapack.twin.types import EngineConfig, RequestArrays
+
+SETTINGS = dict(derandomize=True, deadline=None, database=None, print_blob=False,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@st.composite
+def api_settings(draw) -> dict:
+    """The loop's constants, from off to a loop that is mostly stalled (scrapes every few steps)."""
+    return {"api_ms_per_output": draw(st.sampled_from([0.0, 0.05, 0.5, 3.0])),
+            "metrics_scrape_s": draw(st.sampled_from([0.0, 0.05, 0.3, 2.0])),
+            "scrape_base_ms": draw(st.sampled_from([0.0, 1.0, 40.0])),
+            "scrape_us_per_series": draw(st.sampled_from([0.0, 50.0, 2000.0])),
+            "scrape_us_per_label_name": draw(st.sampled_from([0.0, 30.0]))}
+
+
+def _with_api(case, api: dict):
+    return dataclasses.replace(case, cfg=dataclasses.replace(case.cfg, **api), name=f"{case.name} api={api}")
+
+
+def _check(case, **kw) -> None:
+    ref = simulate_reference(case.cfg, case.req)
+    fast = simulate_fast(case.cfg, case.req, **kw)
+    problems = compare_results(case, ref, fast, rtol=1e-9)
+    if problems:
+        pytest.fail("fast engine differs from the reference engine (API loop)\n" + describe_case(case) + "\n"
+                    + "\n".join(problems), pytrace=False)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(params=case_params(max_requests=200), api=api_settings())
+def test_fast_engine_equals_reference_with_the_api_loop(params, api) -> None:
+    _check(_with_api(build_case(params), api))
+
+
+@pytest.mark.slow
+@settings(max_examples=300, **SETTINGS)
+@given(params=case_params(), api=api_settings())
+def test_fast_engine_equals_reference_with_the_api_loop_many(params, api) -> None:
+    _check(_with_api(build_case(params), api))
+
+
+@pytest.mark.slow
+@settings(max_examples=30, **SETTINGS)
+@given(params=case_params(max_requests=120), api=api_settings())
+def test_uncompiled_path_with_the_api_loop(params, api) -> None:
+    _check(_with_api(build_case(params), api), compiled=False)
+
+
+RESULT_COLUMNS = ("t_sent_s", "t_first_s", "t_finish_s", "n_preempted", "n_merged")
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(params=case_params(max_requests=200), api=api_settings())
+def test_live_engine_equals_batch_with_the_api_loop(params, api) -> None:
+    """Requests added one by one right before the engine passes their arrival (after steps that ran past
+    earlier ones: the loop's late arrivals), results drained as they come: the batch run, bit for bit."""
+    case = _with_api(build_case(params), api)
+    cfg, req = case.cfg, case.req
+    res = simulate_fast(cfg, req)
+    eng = Engine.live(cfg, capacity=4)
+    got: dict[int, tuple] = {}
+
+    def drain() -> None:
+        d = eng.drain_finished()
+        for j, rid in enumerate(d["id"]):
+            got[int(rid)] = tuple(d[c][j] if c != "n_merged" else d["n_merged"][j] for c in RESULT_COLUMNS)
+
+    n_added = int((req.t_arr_s < cfg.duration_s).sum())
+    for i in range(n_added):
+        eng.advance_to(req.t_arr_s[i])
+        eng.add_request(req.t_arr_s[i], int(req.adapter[i]), int(req.prompt_tokens[i]), int(req.output_tokens[i]))
+        if i % 3 == 0:
+            drain()
+    eng.advance_to(cfg.duration_s)
+    drain()
+    n = int(eng.counters["n_known"])
+    for k in range(n):
+        rid = int(eng._live.ids[k])
+        if rid not in got:
+            got[rid] = tuple(getattr(eng.state.requests, c)[k] for c in RESULT_COLUMNS)
+    what = describe_case(case)
+    for i in range(n_added):
+        for c, v in zip(RESULT_COLUMNS, got[i], strict=True):
+            want = getattr(res, c)[i]
+            same = (np.isnan(want) and np.isnan(v)) if isinstance(want, float) and np.isnan(want) else want == v
+            # a batch run ends at the window's end, where the loop's open batch leaves (after the end: a live
+            # run has no end and keeps it open)
+            if c == "n_merged" and not res.t_finish_s[i] <= cfg.duration_s:
+                continue
+            if c in ("t_first_s", "t_finish_s") and want > cfg.duration_s:
+                continue
+            assert same, f"{what}: request {i} {c}: live {v!r}, batch {want!r}"
+
+
+# ---- hand-made cases ---------------------------------------------------------------------------------
+
+
+def _config(**kw) -> EngineConfig:
+    """One adapter, a 10 ms step whatever the batch (c0 only), room for everything."""
+    return EngineConfig(load_ms=np.zeros(2), disk_ms=np.zeros(2), max_loras=2, max_cpu_loras=2, kv_blocks=10_000,
+                        step_coef=StepModel(c0_ms=10.0, c1_ms_per_req=0.0).to_array(), duration_s=20.0, **kw)
+
+
+def test_a_scrape_holds_an_arrival_and_merges_the_chunks_behind_it() -> None:
+    """A request arriving during a 100 ms scrape waits for it; the tokens of a running request produced during
+    the scrape reach the client in one chunk when it ends."""
+    req = RequestArrays(np.array([0.5, 2.03]), np.array([0, 1]), np.array([16, 16]), np.array([400, 5]))
+    cfg = _config(metrics_scrape_s=2.0, scrape_base_ms=100.0)
+    res = simulate_fast(cfg, req)
+    base = simulate_fast(_config(), req)
+    # scrapes at 0, 2.1 and 4.2 s (each answer + 2 s); the engine is idle after request 0's end at 4.5 s
+    assert res.n_scrapes == 3 and math.isclose(res.scrape_s, 0.3)
+    # request 1 arrives at 2.03 s, before the second scrape, and is done before it: no wait
+    assert res.t_first_s[1] == pytest.approx(base.t_first_s[1], abs=1e-12)
+    assert res.n_merged[1] == 0
+    # request 0 runs through the scrapes at 2.1 and 4.2 s: the ten tokens of each 100 ms stall leave as one chunk
+    assert res.n_merged[0] == 2 * 9
+    # the engine's work is the same; only the client's view moves (the last chunk leaves later or at once)
+    assert res.n_steps == base.n_steps
+    assert res.t_finish_s[0] >= base.t_finish_s[0]
+    # ITL p99 sees the long gaps: one per scrape of ~110 ms
+    assert res.gap_hist.sum() < base.gap_hist.sum()
+
+
+def test_an_arrival_inside_a_scrape_waits_for_its_end() -> None:
+    req = RequestArrays(np.array([2.12]), np.array([0]), np.array([16]), np.array([3]))
+    res = simulate_fast(_config(metrics_scrape_s=2.0, scrape_base_ms=100.0), req)
+    # scrapes: [0, 0.1), [2.1, 2.2): the request is handed over at 2.2 s and computed in one 10 ms step
+    assert res.t_first_s[0] == pytest.approx(2.21, abs=1e-9)
+    assert simulate_reference(_config(metrics_scrape_s=2.0, scrape_base_ms=100.0), req).t_first_s[0] == \
+        res.t_first_s[0]
+
+
+def test_output_work_delays_the_first_token_by_the_outputs_of_its_step() -> None:
+    """``api_ms_per_output``: the loop turns the step's B outputs into chunks before a new request's own."""
+    req = RequestArrays(np.array([0.0, 0.0, 0.0]), np.array([0, 0, 1]), np.array([16, 16, 16]), np.array([5, 5, 5]))
+    res = simulate_fast(_config(api_ms_per_output=1.0), req)
+    base = simulate_fast(_config(), req)
+    assert np.allclose(res.t_first_s - base.t_first_s, 0.003)  # three outputs in the step: 3 ms
+    assert np.allclose(res.t_finish_s - base.t_finish_s, 0.003)
+
+
+def test_the_render_time_grows_with_the_label_sets_seen() -> None:
+    """Many adapters coming and going: every new (running, waiting) set is a series; the scrapes slow down."""
+    rng = np.random.default_rng(5)
+    n_ad = 64
+    t = np.sort(rng.uniform(0, 60, 600))
+    req = RequestArrays(t, rng.integers(0, n_ad, 600), rng.integers(16, 64, 600), rng.integers(2, 30, 600))
+    cfg = EngineConfig(load_ms=np.zeros(n_ad), disk_ms=np.zeros(n_ad), max_loras=8, max_cpu_loras=n_ad,
+                       kv_blocks=10_000, step_coef=StepModel(c0_ms=10.0, c1_ms_per_req=0.0).to_array(), duration_s=60.0,
+                       metrics_scrape_s=2.0, scrape_us_per_series=100.0)
+    res = simulate_fast(cfg, req)
+    assert res.label_series > 300
+    # each scrape renders the series seen so far: the registry grows through the run, so the scrapes' summed
+    # render time lies between a third and all of (scrapes x final series x 100 µs)
+    top = res.n_scrapes * res.label_series * 1e-4
+    assert top / 3 < res.scrape_s < top
+    # the same adapter always busy: the sets repeat and the registry stays small
+    few = simulate_fast(cfg, RequestArrays(t, np.zeros(600, np.int64), req.prompt_tokens, req.output_tokens))
+    assert few.label_series < 5
