@@ -25,7 +25,7 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 # Profile fields added after profiles were shipped, at the value every shipped profile was measured with: left
 # out of ``Profile.file_hash`` and of the twin fingerprint (``fingerprint.NEUTRAL_PROFILE``) at that value
 NEUTRAL_FIELDS = {"measured_gpu_memory_utilization": 0.9, "measured_prefix_caching": False, "device": None,
-                  "tensor_parallel_size": 1}
+                  "tensor_parallel_size": 1, "api_server": None}
 
 
 class _Frozen(BaseModel):
@@ -135,6 +135,20 @@ class FrontendModel(_Frozen):
     ttft_overhead_ms: float = Field(default=0.0, ge=0)
 
 
+class ApiServerModel(_Frozen):
+    """vLLM's API server loop (docs/engine-semantics.md, "The API server"; docs/trust-under-load.md): one asyncio
+    loop hands arrivals to the engine core, turns each step's outputs into chunks and answers /metrics scrapes.
+    Its work per output delays every chunk (a new request's first one last in its step); a scrape stops it for a
+    render time that grows with the label series of ``vllm:lora_requests_info`` (``VllmRules.lora_info_series``),
+    and the steps' outputs queued meanwhile leave together, one chunk per request. The scrapes happen only where a
+    poller asks (``ServerConfig.metrics_scrape_s``)."""
+
+    ms_per_output: float = Field(default=0.0, ge=0)
+    scrape_base_ms: float = Field(default=0.0, ge=0)
+    scrape_us_per_series: float = Field(default=0.0, ge=0)
+    scrape_us_per_label_name: float = Field(default=0.0, ge=0)
+
+
 class Priors(_Frozen):
     """The closed-form fits of the profiling data (docs/calibration.md), kept beside the refined values.
 
@@ -161,6 +175,7 @@ class Profile(_Frozen):
     priors: Priors | None = None  # closed-form fits before refinement (None: the sections above are the fits)
     runs_lengths: RunsLengths | None = None  # fitted length law for rebuilding real runs (None: spec default)
     frontend: FrontendModel | None = None  # None: no time outside the engine
+    api_server: ApiServerModel | None = None  # None: the API server's loop is not modelled
     # the server settings the profile was measured with (``serve.sh`` pins them; the twin models the server
     # at them): vLLM 0.8.5 V1 with --gpu-memory-utilization 0.9 and prefix caching off for the shipped
     # profiles. Neutral values (``fingerprint.NEUTRAL_PROFILE``): profiles fitted before keep their fingerprint.

@@ -171,12 +171,17 @@ def build_workload(row: dict, seed: int, lengths: str = "lognormal", cv: float |
                         f"(got {err.get('input')!r})") from None
 
 
+REAL_METRICS_SCRAPE_S = 2.0
+
+
 def server_flags(row: dict, profile: Profile, client_cap: int | None = None):
     """The row's vLLM flags (``lorapack.server.ServerConfig``); the client cap defaults to the real benchmark's."""
     from .server import ServerConfig
     from .twin.run import REAL_CLIENT_CAP
 
-    return ServerConfig(
+    # every reference run had the harness's /metrics poller (concurrent_metrics_checker.py: GET, parse, sleep 2 s;
+    # ../shared/data README, "2-second Prometheus samples")
+    return ServerConfig(metrics_scrape_s=REAL_METRICS_SCRAPE_S,
         max_loras=int(float(row["max_loras"])), max_lora_rank=int(float(row["max_lora_rank"])),
         max_cpu_loras=int(row_float(row, "max_cpu_loras", float(row["n_adapters"]))),
         max_num_batched_tokens=int(row_float(row, "max_num_batched_tokens", profile.max_num_batched_tokens)),

@@ -49,6 +49,7 @@ INT64_SAFE = 2**62  # integer settings pass through numba's int64 arithmetic
 Admission = Literal["scheduled", "running"]
 OverLong = Literal["refuse_sum", "clamp_output"]
 KvStart = Literal["profile", "one_sequence_minus_null_block"]
+LoraInfoSeries = Literal["per_distinct_set", "none"]
 
 
 class VersionError(SpecError):
@@ -79,6 +80,11 @@ class VllmRules:
     # #32005): ms per distinct adapter of a batch, added to the profile's per-adapter cost. No fitted value
     # exists yet: 0.0 (no cost change) for every version.
     active_adapter_step_ms: float = 0.0
+    # ``vllm:lora_requests_info`` (``PrometheusStatLogger.record``, once per step): "per_distinct_set" = one gauge
+    # series per distinct (running adapters, waiting adapters) label set ever seen, never removed, rendered by
+    # every /metrics scrape on the API server's loop (vLLM 0.8.5 ``v1/metrics/loggers.py``; the same code is in
+    # later versions until a testbed measurement says otherwise); "none" = no such gauge
+    lora_info_series: LoraInfoSeries = "per_distinct_set"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -152,6 +158,9 @@ class ServerConfig:
     enable_prefix_caching: bool | None = None
     vllm_version: str | None = None
     rules: VllmRules | None = None
+    # the deployment, not vLLM: a /metrics poller's sleep between an answer and its next scrape (s); None = no
+    # poller. The reference runs of ../shared/data had one (2 s, the harness's concurrent_metrics_checker.py)
+    metrics_scrape_s: float | None = None
 
     def __post_init__(self) -> None:
         # types only (values are checked against the profile and the adapters by ``resolve_server``)
@@ -168,6 +177,10 @@ class ServerConfig:
             raise SpecError(f"--gpu-memory-utilization {g!r}: expected a fraction in (0, 1]")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool | np.bool_):
             raise SpecError(f"enable_prefix_caching {self.enable_prefix_caching!r}: expected True or False")
+        m = self.metrics_scrape_s
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int | float | np.integer | np.floating)
+                              or not math.isfinite(m) or m <= 0):
+            raise SpecError(f"metrics_scrape_s {m!r}: expected seconds > 0 between scrapes, or None (no poller)")
         if self.vllm_version is not None:
             parse_vllm_version(self.vllm_version)
         if self.rules is not None and not isinstance(self.rules, VllmRules):
@@ -189,7 +202,7 @@ class ServerConfig:
         out: dict[str, Any] = {k: getattr(self, k) for k in FLAG_NAMES}
         out.update(gpu_memory_utilization=self.gpu_memory_utilization,
                    enable_prefix_caching=self.enable_prefix_caching, vllm_version=self.vllm_version,
-                   vllm_rules=None if self.rules is None else self.rules.name)
+                   vllm_rules=None if self.rules is None else self.rules.name, metrics_scrape_s=self.metrics_scrape_s)
         return out
 
 

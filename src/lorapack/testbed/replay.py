@@ -333,7 +333,8 @@ def twin_replay(profile, adapter_ids: Sequence[str], ranks: Sequence[int], arriv
     back[order] = np.arange(len(order))
     return metrics, dataclasses.replace(res, t_sent_s=res.t_sent_s[back] * time_scale,
                                         t_first_s=res.t_first_s[back] * time_scale,
-                                        t_finish_s=res.t_finish_s[back] * time_scale, n_preempted=res.n_preempted[back])
+                                        t_finish_s=res.t_finish_s[back] * time_scale, n_preempted=res.n_preempted[back],
+                                        n_merged=None if res.n_merged is None else res.n_merged[back])
 
 
 def server_itl_s(records: Sequence[RequestRecord]) -> float:

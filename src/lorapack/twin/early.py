@@ -220,7 +220,8 @@ def arrived_by(res: EngineResult, req: RequestArrays, t_s: float) -> tuple[Engin
     if k == len(req):
         return res, req
     head = dataclasses.replace(res, t_sent_s=res.t_sent_s[:k], t_first_s=res.t_first_s[:k],
-                               t_finish_s=res.t_finish_s[:k], n_preempted=res.n_preempted[:k])
+                               t_finish_s=res.t_finish_s[:k], n_preempted=res.n_preempted[:k],
+                               n_merged=None if res.n_merged is None else res.n_merged[:k])
     return head, RequestArrays(req.t_arr_s[:k], req.adapter[:k], req.prompt_tokens[:k], req.output_tokens[:k])
 
 

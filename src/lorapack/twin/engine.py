@@ -137,6 +137,7 @@ COUNTERS = np.dtype([
     ("label_last_hash", np.uint64),  # the one of the latest step
     ("label_series", np.int64),  # distinct label sets recorded (vllm:lora_requests_info series)
     ("label_names", np.int64),  # adapter names in their labels
+    ("label_pending", np.int64),  # 1: the latest step's label set is still to record (``_record_label_set``)
     ("n_waiting_adapters", np.int64),  # adapters with waiting requests
 ], align=True)
 
@@ -240,6 +241,7 @@ class ApiLoop(NamedTuple):
 
     batch_requests: np.ndarray  # [counters.batch_len] requests with tokens in the open batch
     label_seen: np.ndarray  # uint64 bitmap over the top LABEL_SEEN_BITS bits of a label set's fingerprint
+    waiting_mark: np.ndarray  # [adapter] step + 1 when counted waiting for an arrival not queued yet
 
 
 class EngineState(NamedTuple):
@@ -838,12 +840,25 @@ def _api_take_outputs(lim, st, n_outputs, t_end_s):
 
 
 @njit(inline="always")
-def _record_label_set(st):
-    """``PrometheusStatLogger.record`` once per step: a (running adapters, waiting adapters) set not seen before
-    is a new label series of ``vllm:lora_requests_info``, never removed (its fingerprint's top bits mark it in a
-    bitmap: two sets sharing them count once, a few in a million)."""
+def _record_label_set(lim, st, t_end_s):
+    """``PrometheusStatLogger.record`` once per step, after the step that ended at ``t_end_s`` (called at the
+    next loop start, same time): a (running adapters, waiting adapters) set not seen before is a new label series
+    of ``vllm:lora_requests_info``, never removed (its fingerprint's top bits mark it in a bitmap: two sets
+    sharing them count once, a few in a million). vLLM's ``LoRARequestStates`` counts a request as waiting from
+    the API server's ``add_request`` to its first scheduled step: the arrivals handed over by now and not queued
+    yet are waiting too."""
     c = st.counters[0]
+    req, q, mark = st.requests, st.queue, st.api.waiting_mark
     h = c.label_hash
+    n_names = c.n_active_adapters + c.n_waiting_adapters
+    r = max(c.next_arrival_index, c.held_end_index)
+    while r < c.api_next_index and req.t_ready_s[r] <= t_end_s:
+        a = req.adapter[r]
+        if q.head[a] < 0 and mark[a] != c.step + 1:  # not waiting yet, not counted yet
+            mark[a] = c.step + 1
+            h ^= lim.label_key_waiting[a]
+            n_names += 1
+        r += 1
     if h == c.label_last_hash:
         return
     c.label_last_hash = h
@@ -854,7 +869,7 @@ def _record_label_set(st):
     if seen[word] & mask == 0:
         seen[word] |= mask
         c.label_series += 1
-        c.label_names += c.n_active_adapters + c.n_waiting_adapters
+        c.label_names += n_names
 
 
 @njit(inline="always")
@@ -919,6 +934,9 @@ def _step(lim, st, t_stop_s):
     _emit_samples(lim, st, True)
     if lim.api_on:
         _api_until(lim, st, c.t_s)
+    if c.label_pending:  # the previous step's record (here: a live engine knows every arrival up to now)
+        _record_label_set(lim, st, c.t_s)
+        c.label_pending = 0
     _add_arrivals(lim, st)
     budget, n_scheduled, n_decode, ctx_tokens, preempted, n_adapters, n_missing = _schedule_running(lim, st)
     if not preempted:
@@ -947,7 +965,7 @@ def _step(lim, st, t_stop_s):
     t_end_s = c.t_s + dt_s
     _update_from_output(lim, st, n_scheduled, t_end_s)
     if lim.scrape_period_s > 0.0:
-        _record_label_set(st)
+        c.label_pending = 1
     c.t_s = t_end_s
     c.step += 1
     c.scheduled_tokens += n_tokens
@@ -1051,7 +1069,8 @@ def new_state(cfg: EngineConfig, req: RequestArrays, live: bool = False) -> Engi
     c.api_done_s = -math.inf
     scraped = float(cfg.metrics_scrape_s) > 0.0
     api = ApiLoop(batch_requests=np.zeros(max(n, 1) if _api_on(cfg) else 1, np.int64),
-                  label_seen=np.zeros(2 ** (LABEL_SEEN_BITS - 6) if scraped else 1, np.uint64))
+                  label_seen=np.zeros(2 ** (LABEL_SEEN_BITS - 6) if scraped else 1, np.uint64),
+                  waiting_mark=np.zeros(n_ad if scraped else 1, np.int64))
     return EngineState(requests, queue, running, adapters, timeline, _gaps_mod.new_histogram(), counters, api)
 
 

@@ -10,7 +10,9 @@
   ``idle_service_s``). Requests unfinished at the end are cancelled and excluded, as in the benchmark; without
   this rule a short window on an idle server would be "starved" by the requests still in flight at its end.
   On the one-hour windows of the real runs the two denominators differ by about 0.1 %;
-* ITL = Σ_completed (t_last − t_first) / Σ_completed (O − 1): the token-weighted mean of all gaps;
+* ITL = Σ_completed (t_last − t_first) / Σ_completed (chunks − 1): the mean of all inter-chunk gaps, as the
+  benchmark averages its per-chunk ``itl`` lists (chunks = O unless the API server's loop merged tokens,
+  ``EngineResult.n_merged``); TPOT = the mean over requests of (t_last − t_first) / (O − 1);
 * ``itl_median_ms``, ``itl_p99_ms``: percentiles of every inter-token gap that ended in the window (the engine's
   log-binned gap histogram, ``twin.gaps``; a gap across a stall or a preemption is one long gap, as the client
   sees it). Engines without a histogram give the p99 over completed requests of their mean gap instead;
@@ -64,7 +66,7 @@ class RunMetrics:
     throughput_ratio: float = NAN
     starved: bool | None = None  # throughput < 0.9 x finishable
     # latencies of the completed requests
-    itl_mean_ms: float = NAN  # token-weighted mean gap
+    itl_mean_ms: float = NAN  # mean gap between chunks (= between tokens unless chunks merged)
     tpot_mean_ms: float = NAN  # mean of per-request mean gaps
     itl_median_ms: float = NAN  # token-weighted percentiles of the inter-token gaps (twin.gaps)
     itl_p99_ms: float = NAN
@@ -204,7 +206,9 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     ttft_ms = (res.t_first_s[done] - res.t_sent_s[done]) * 1000.0 + float(res.ttft_overhead_ms)
     gaps = o[done] - 1
     span_s = res.t_finish_s[done] - res.t_first_s[done]
-    itl = float(span_s.sum() / gaps.sum() * 1000.0) if gaps.sum() > 0 else float("nan")
+    # per chunk, as the benchmark: tokens the API server's loop merged into an earlier chunk make no gap
+    chunk_gaps = gaps if res.n_merged is None else gaps - res.n_merged[done].astype(np.int64)
+    itl = float(span_s.sum() / chunk_gaps.sum() * 1000.0) if chunk_gaps.sum() > 0 else float("nan")
     multi = gaps > 0
     tpot = _stat(span_s[multi] / gaps[multi] * 1000.0, np.mean)
     if res.gap_hist is not None:

@@ -211,6 +211,7 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
     label_last = 0
     label_series = 0
     label_names = 0
+    label_pending = False
 
     def api_floor() -> float:
         return api["batch_start"] + api["batch_work"] if batch_open else api["free"]
@@ -305,6 +306,23 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
         #    server's loop, once it has handed them over (ready <= t)
         if api_on:
             api_until(t)
+        # the metrics registry records the previous step's label set (once per step): a set never seen is a new
+        # series; waiting = queued, or handed over by the API server and not queued yet
+        if label_pending:
+            label_pending = False
+            h = 0
+            for a in {adapter[r] for r in running}:
+                h ^= key_running[a]
+            handed = [r for r in range(max(ptr, held_end), api["next"]) if ready[r] <= t]
+            waiting_adapters = {adapter[r] for r in waiting} | {adapter[r] for r in handed}
+            for a in waiting_adapters:
+                h ^= key_waiting[a]
+            if h != label_last:
+                label_last = h
+                if h >> 40 not in label_seen:
+                    label_seen.add(h >> 40)
+                    label_series += 1
+                    label_names += len({adapter[r] for r in running}) + len(waiting_adapters)
         injected: list[int] = []
         while ptr < n and t_arr[ptr] <= t and (not api_on or ready[ptr] <= t):
             if client_cap > 0 and len(waiting) >= client_cap:
@@ -525,19 +543,7 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
 
         if deliver >= 0.0:
             api["last_deliv"] = deliver
-        # the metrics registry records the label set once per step: a set never seen is a new series
-        if scrape_period > 0.0:
-            h = 0
-            for a in {adapter[r] for r in running}:
-                h ^= key_running[a]
-            for a in {adapter[r] for r in waiting}:
-                h ^= key_waiting[a]
-            if h != label_last:
-                label_last = h
-                if h >> 40 not in label_seen:
-                    label_seen.add(h >> 40)
-                    label_series += 1
-                    label_names += len({adapter[r] for r in running}) + len({adapter[r] for r in waiting})
+        label_pending = scrape_period > 0.0
 
         max_running = max(max_running, n_running_sched)
         max_u_step = max(max_u_step, len(u_step))

@@ -173,6 +173,8 @@ def engine_config(profile: Profile, ranks: np.ndarray, srv: ResolvedServer, dura
     act = {int(r): profile.activation_ms(s, int(r)) for r in np.unique(ranks)}
     disk = {int(r): profile.disk_ms(int(r)) for r in np.unique(ranks)}
     server = srv.config
+    if profile.api_server is None and server.metrics_scrape_s is not None:
+        server = server.replace(metrics_scrape_s=None)  # no API-server loop modelled: a poller changes nothing
     if client_cap is not None or warm_start is not None:
         server = server.replace(client_cap=server.client_cap if client_cap is None else client_cap,
                                 warm_start=server.warm_start if warm_start is None else warm_start)
@@ -180,7 +182,20 @@ def engine_config(profile: Profile, ranks: np.ndarray, srv: ResolvedServer, dura
         server, np.array([act[int(r)] for r in ranks]), np.array([disk[int(r)] for r in ranks]),
         srv.kv_cache_tokens // profile.block_size, step_model(profile, srv).to_array(), profile.block_size,
         duration_s, warm_cpu=True,
-        ttft_overhead_ms=profile.frontend.ttft_overhead_ms if profile.frontend is not None else 0.0)
+        ttft_overhead_ms=profile.frontend.ttft_overhead_ms if profile.frontend is not None else 0.0,
+        **api_server_options(profile, server))
+
+
+def api_server_options(profile: Profile, server: ServerConfig) -> dict[str, float]:
+    """The engine's API-server loop constants (``EngineConfig``) from the profile's ``api_server`` and the version
+    rules (``VllmRules.lora_info_series``: without the gauge, no label series to render)."""
+    api = profile.api_server
+    if api is None:
+        return {}
+    series = server.rules is None or server.rules.lora_info_series == "per_distinct_set"
+    return {"api_ms_per_output": api.ms_per_output, "scrape_base_ms": api.scrape_base_ms,
+            "scrape_us_per_series": api.scrape_us_per_series if series else 0.0,
+            "scrape_us_per_label_name": api.scrape_us_per_label_name if series else 0.0}
 
 
 def oom_metrics(srv: ResolvedServer, n_generated: int) -> RunMetrics:

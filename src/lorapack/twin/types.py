@@ -196,7 +196,8 @@ class EngineConfig:
                     step_coef: np.ndarray, block_size: int, duration_s: float, **engine_options) -> EngineConfig:
         """The engine's input for a resolved ``server`` (``twin.run.resolve_server``: every flag set): the one
         place the flags (``max_loras``, ``max_cpu_loras``, ``max_num_seqs``, ``max_num_batched_tokens``, the
-        client cap, the warm start, the rule set's admission) are copied into the flat engine input.
+        client cap, the warm start, the rule set's admission, the /metrics poller) are copied into the flat engine
+        input.
         ``engine_options``: the engine-only fields (``warm_cpu``, ``ttft_overhead_ms``, ``timeline_dt_s``, ...)."""
         missing = [k for k in ("max_lora_rank", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens")
                    if getattr(server, k) is None]
@@ -208,7 +209,8 @@ class EngineConfig:
                    duration_s=duration_s, max_num_seqs=int(server.max_num_seqs),
                    max_num_batched_tokens=int(server.max_num_batched_tokens), block_size=int(block_size),
                    warm_gpu=bool(server.warm_start), client_cap=int(server.client_cap),
-                   admission=server.rules.admission, **engine_options)
+                   admission=server.rules.admission, metrics_scrape_s=float(server.metrics_scrape_s or 0.0),
+                   **engine_options)
 
     def check(self) -> None:
         """Validate every field (``SpecError``); the engines call it again before running."""
