@@ -32,6 +32,7 @@ SETTINGS = dict(derandomize=True, deadline=None, database=None, print_blob=False
 def api_settings(draw) -> dict:
     """The loop's constants, from off to a loop that is mostly stalled (scrapes every few steps)."""
     return {"api_ms_per_output": draw(st.sampled_from([0.0, 0.05, 0.5, 3.0])),
+            "output_proc_chunk": draw(st.sampled_from([1, 3, 128])),
             "metrics_scrape_s": draw(st.sampled_from([0.0, 0.05, 0.3, 2.0])),
             "scrape_base_ms": draw(st.sampled_from([0.0, 1.0, 40.0])),
             "scrape_us_per_series": draw(st.sampled_from([0.0, 50.0, 2000.0])),
@@ -111,6 +112,10 @@ def test_live_engine_equals_batch_with_the_api_loop(params, api) -> None:
             # a batch run ends at the window's end, where the loop's open batch leaves (after the end: a live
             # run has no end and keeps it open)
             if c == "n_merged" and not res.t_finish_s[i] <= cfg.duration_s:
+                continue
+            # (a request that can never fit the KV cache is preempted at every loop pass: a live engine waiting
+            # for arrivals passes more often than a batch run, which jumps to the end; it never finishes)
+            if c == "n_preempted" and np.isnan(res.t_finish_s[i]):
                 continue
             if c in ("t_first_s", "t_finish_s") and want > cfg.duration_s:
                 continue

@@ -85,6 +85,9 @@ class VllmRules:
     # every /metrics scrape on the API server's loop (vLLM 0.8.5 ``v1/metrics/loggers.py``; the same code is in
     # later versions until a testbed measurement says otherwise); "none" = no such gauge
     lora_info_series: LoraInfoSeries = "per_distinct_set"
+    # outputs of one step the API server's output handler processes before it yields to the stream tasks
+    # (``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``, 0.8.5 ``envs.py`` default 128; ``AsyncLLM._run_output_handler``)
+    output_proc_chunk: int = 128
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -163,6 +163,7 @@ class ServerLimits(NamedTuple):
     # client at the step's end
     api_on: bool
     api_s_per_output: float  # the loop's work per output of a step
+    output_proc_chunk: int  # outputs of one step the loop processes without yielding (VllmRules.output_proc_chunk)
     scrape_period_s: float  # the /metrics poller's sleep between a response and its next scrape; 0 = no poller
     scrape_base_s: float  # a scrape's render time: fixed part ...
     scrape_s_per_series: float  # ... per label series of vllm:lora_requests_info ...
@@ -822,20 +823,31 @@ def _api_until(lim, st, t):
 @njit(inline="always")
 def _api_take_outputs(lim, st, n_outputs, t_end_s):
     """The outputs of a step that ended at ``t_end_s`` reach the loop. Returns when their chunks reach the
-    clients, or -1.0 when they join the open batch (the loop is busy: they leave with it, ``_deliver_batch``)."""
+    clients, or -1.0 when they join the open batch (``_deliver_batch``).
+
+    vLLM 0.8.5's output handler processes queued step outputs back to back, yielding to the requests' stream
+    tasks only when its queue is empty or between slices of ``output_proc_chunk`` outputs of one step
+    (``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``). Outputs that arrive while the loop is busy therefore join the open batch
+    (one chunk per request when it ends) while it lasts, unless the step has more outputs than a slice: then the
+    loop yields inside it and every step's tokens leave on their own, once the loop has done their work."""
     c = st.counters[0]
     _api_until(lim, st, t_end_s)
-    if c.batch_open and c.batch_start_s <= t_end_s:  # the loop took the batch before these outputs came
-        _deliver_batch(lim, st)
+    merges = n_outputs <= lim.output_proc_chunk
+    if c.batch_open and (not merges or c.batch_start_s + c.batch_work_s <= t_end_s):
+        _deliver_batch(lim, st)  # the batch's run ended before these outputs came, or they make the loop yield
     work_s = lim.api_s_per_output * n_outputs
-    if not c.batch_open and c.api_free_s <= t_end_s:
+    if c.batch_open:
+        c.batch_work_s += work_s
+        return -1.0
+    if c.api_free_s <= t_end_s:  # the loop is free: it takes them at once
         c.api_free_s = t_end_s + work_s
         return c.api_free_s
-    if not c.batch_open:
-        c.batch_open = 1
-        c.batch_start_s = c.api_free_s
-        c.batch_work_s = 0.0
-    c.batch_work_s += work_s
+    if not merges:  # busy, but they leave on their own after the work queued before them
+        c.api_free_s += work_s
+        return c.api_free_s
+    c.batch_open = 1
+    c.batch_start_s = c.api_free_s
+    c.batch_work_s = work_s
     return -1.0
 
 
@@ -1089,6 +1101,7 @@ def server_limits(cfg: EngineConfig) -> ServerLimits:
         load_ms=cfg.load_ms, disk_ms=cfg.disk_ms, adapter_order=cfg.adapter_walk_order(),
         lru_protects_batch=bool(cfg.lru_protects_batch), admission_running=cfg.admission == "running",
         api_on=_api_on(cfg), api_s_per_output=float(cfg.api_ms_per_output) / 1000.0,
+        output_proc_chunk=int(cfg.output_proc_chunk),
         scrape_period_s=float(cfg.metrics_scrape_s), scrape_base_s=float(cfg.scrape_base_ms) / 1000.0,
         scrape_s_per_series=float(cfg.scrape_us_per_series) / 1e6,
         scrape_s_per_name=float(cfg.scrape_us_per_label_name) / 1e6,

@@ -195,6 +195,7 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
     # ---------------------------------------------------------------- the API server's loop ("The API server")
     api_on = float(cfg.api_ms_per_output) > 0.0 or float(cfg.metrics_scrape_s) > 0.0
     api_s_per_output = float(cfg.api_ms_per_output) / 1000.0
+    output_proc_chunk = int(cfg.output_proc_chunk)
     scrape_period = float(cfg.metrics_scrape_s)
     scrape_base_s = float(cfg.scrape_base_ms) / 1000.0
     scrape_s_per_series = float(cfg.scrape_us_per_series) / 1e6
@@ -263,17 +264,22 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
         """A step's outputs reach the loop: when their chunks leave, or -1.0 (they join the open batch)."""
         nonlocal batch_open
         api_until(t_end_s)
-        if batch_open and api["batch_start"] <= t_end_s:
+        merges = n_outputs <= output_proc_chunk  # the loop yields inside a step with more outputs
+        if batch_open and (not merges or api["batch_start"] + api["batch_work"] <= t_end_s):
             deliver_batch()
         work_s = api_s_per_output * n_outputs
-        if not batch_open and api["free"] <= t_end_s:
+        if batch_open:
+            api["batch_work"] += work_s
+            return -1.0
+        if api["free"] <= t_end_s:
             api["free"] = t_end_s + work_s
             return api["free"]
-        if not batch_open:
-            batch_open = True
-            api["batch_start"] = api["free"]
-            api["batch_work"] = 0.0
-        api["batch_work"] += work_s
+        if not merges:
+            api["free"] += work_s
+            return api["free"]
+        batch_open = True
+        api["batch_start"] = api["free"]
+        api["batch_work"] = work_s
         return -1.0
 
     # ---------------------------------------------------------------- timeline

@@ -183,6 +183,7 @@ class EngineConfig:
     # time: fixed, per label series of vllm:lora_requests_info and per adapter name in their labels. All 0: the
     # loop is not modelled (every token reaches its client at the end of its step).
     api_ms_per_output: float = 0.0
+    output_proc_chunk: int = 128  # VllmRules.output_proc_chunk: outputs the loop processes without yielding
     metrics_scrape_s: float = 0.0
     scrape_base_ms: float = 0.0
     scrape_us_per_series: float = 0.0
@@ -210,6 +211,7 @@ class EngineConfig:
                    max_num_batched_tokens=int(server.max_num_batched_tokens), block_size=int(block_size),
                    warm_gpu=bool(server.warm_start), client_cap=int(server.client_cap),
                    admission=server.rules.admission, metrics_scrape_s=float(server.metrics_scrape_s or 0.0),
+                   output_proc_chunk=int(server.rules.output_proc_chunk),
                    **engine_options)
 
     def check(self) -> None:
@@ -227,7 +229,7 @@ class EngineConfig:
         if (self.load_ms < 0).any() or (self.disk_ms < 0).any():
             raise SpecError("load_ms and disk_ms: expected load times >= 0 ms")
         for name, lo in (("max_loras", 1), ("max_cpu_loras", 1), ("kv_blocks", 0), ("max_num_seqs", 1),
-                         ("max_num_batched_tokens", 1), ("block_size", 1), ("client_cap", 0)):
+                         ("max_num_batched_tokens", 1), ("block_size", 1), ("client_cap", 0), ("output_proc_chunk", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | np.integer) or not lo <= v <= INT64_SAFE:
                 raise SpecError(f"{name} {v!r}: expected an integer between {lo} and {INT64_SAFE}")
