@@ -25,7 +25,7 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 # Profile fields added after profiles were shipped, at the value every shipped profile was measured with: left
 # out of ``Profile.file_hash`` and of the twin fingerprint (``fingerprint.NEUTRAL_PROFILE``) at that value
 NEUTRAL_FIELDS = {"measured_gpu_memory_utilization": 0.9, "measured_prefix_caching": False, "device": None,
-                  "tensor_parallel_size": 1, "api_server": None}
+                  "tensor_parallel_size": 1, "api_server": None, "step_noise_sigma": 0.0}
 
 
 class _Frozen(BaseModel):
@@ -176,6 +176,8 @@ class Profile(_Frozen):
     runs_lengths: RunsLengths | None = None  # fitted length law for rebuilding real runs (None: spec default)
     frontend: FrontendModel | None = None  # None: no time outside the engine
     api_server: ApiServerModel | None = None  # None: the API server's loop is not modelled
+    # log-sd of a mean-one per-step multiplier of the step time (docs/engine-semantics.md, "Step noise"); 0: none
+    step_noise_sigma: float = Field(default=0.0, ge=0, le=1)
     # the server settings the profile was measured with (``serve.sh`` pins them; the twin models the server
     # at them): vLLM 0.8.5 V1 with --gpu-memory-utilization 0.9 and prefix caching off for the shipped
     # profiles. Neutral values (``fingerprint.NEUTRAL_PROFILE``): profiles fitted before keep their fingerprint.

@@ -86,6 +86,16 @@ _compute_ms = cached_njit()(_steptime_mod.compute_ms)
 _sched_ms = cached_njit()(_steptime_mod.sched_ms)
 _gap_bin = cached_njit()(_gaps_mod.gap_bin)
 
+
+@cached_njit()
+def _noise_index(key, step):
+    """``steptime.noise_index`` in uint64 arithmetic (it wraps as the masked Python integers do)."""
+    z = key + np.uint64(step) * np.uint64(_steptime_mod.NOISE_MULT)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return z >> np.uint64(64 - _steptime_mod.NOISE_BITS)
+
 INF_KEY = np.int64(2**62)  # the key of an empty FIFO
 LABEL_SEEN_BITS = 24  # the API server's registry of label sets: a bitmap over this many fingerprint bits (2 MiB)
 WAITING, RUNNING, FINISHED = 1, 2, 3
@@ -168,6 +178,8 @@ class ServerLimits(NamedTuple):
     scrape_base_s: float  # a scrape's render time: fixed part ...
     scrape_s_per_series: float  # ... per label series of vllm:lora_requests_info ...
     scrape_s_per_name: float  # ... per adapter name in their labels
+    step_noise: np.ndarray  # the step-time multiplier's quantile table (``steptime.noise_table``; empty: none)
+    step_noise_key: np.uint64  # its draws: ``steptime.noise_index(key, step)``
     label_key_running: np.ndarray  # uint64 [adapter]: fingerprint keys of the label sets (zeros: not kept)
     label_key_waiting: np.ndarray
     # a live run (``Engine.live``): more arrivals may come, so an idle engine waits until the caller's stop time
@@ -971,8 +983,11 @@ def _step(lim, st, t_stop_s):
     n_tokens = lim.max_num_batched_tokens - budget  # the scheduled tokens
     # step time = scheduler (CPU) + adapter loads + forward pass
     sched_ms = _sched_ms(lim.step_coef, c.n_running, c.n_waiting)
-    step_ms = sched_ms + load_ms + _compute_ms(lim.step_coef, n_scheduled, n_tokens - n_decode, n_tokens,
-                                                ctx_tokens, n_adapters)
+    forward_ms = _compute_ms(lim.step_coef, n_scheduled, n_tokens - n_decode, n_tokens, ctx_tokens, n_adapters)
+    if lim.step_noise.shape[0] > 0:  # the step's own variability: scheduler and forward pass, not the loads
+        step_ms = (sched_ms + forward_ms) * lim.step_noise[_noise_index(lim.step_noise_key, c.step)] + load_ms
+    else:
+        step_ms = sched_ms + load_ms + forward_ms
     dt_s = step_ms / 1000.0
     t_end_s = c.t_s + dt_s
     _update_from_output(lim, st, n_scheduled, t_end_s)
@@ -1102,6 +1117,7 @@ def server_limits(cfg: EngineConfig) -> ServerLimits:
         lru_protects_batch=bool(cfg.lru_protects_batch), admission_running=cfg.admission == "running",
         api_on=_api_on(cfg), api_s_per_output=float(cfg.api_ms_per_output) / 1000.0,
         output_proc_chunk=int(cfg.output_proc_chunk),
+        step_noise=_steptime_mod.noise_table(float(cfg.step_noise_sigma)), step_noise_key=np.uint64(cfg.step_noise_seed),
         scrape_period_s=float(cfg.metrics_scrape_s), scrape_base_s=float(cfg.scrape_base_ms) / 1000.0,
         scrape_s_per_series=float(cfg.scrape_us_per_series) / 1e6,
         scrape_s_per_name=float(cfg.scrape_us_per_label_name) / 1e6,

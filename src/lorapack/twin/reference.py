@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .gaps import gap_bin, new_histogram
-from .steptime import compute_ms, sched_ms
+from .steptime import compute_ms, noise_index, noise_table, sched_ms
 from .types import TIMELINE_COLUMNS, EngineConfig, EngineResult, RequestArrays, label_set_keys
 
 # request status
@@ -125,6 +125,8 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
     duration = float(cfg.duration_s)
     tl_dt = float(cfg.timeline_dt_s)
     coef = cfg.step_coef
+    noise = noise_table(float(cfg.step_noise_sigma))
+    noise_key = int(cfg.step_noise_seed)
     adapter_load_ms = [float(x) for x in cfg.load_ms]
     adapter_disk_ms = [float(x) for x in cfg.disk_ms]
 
@@ -474,7 +476,10 @@ def run_reference(cfg: EngineConfig, req: RequestArrays, check_invariants: bool 
         n_lora = len(u_step)
         step_sched_ms = float(sched_ms(coef, len(running), len(waiting)))
         step_compute_ms = float(compute_ms(coef, b, n_pf, n_tok, ctx, n_lora))
-        ms = step_sched_ms + step_load_ms + step_compute_ms
+        if len(noise):  # the step's own variability multiplies the scheduler and the forward pass
+            ms = (step_sched_ms + step_compute_ms) * float(noise[noise_index(noise_key, s)]) + step_load_ms
+        else:
+            ms = step_sched_ms + step_load_ms + step_compute_ms
         dt = ms / 1000.0
 
         n_running_sched = len(running)

@@ -183,7 +183,7 @@ def engine_config(profile: Profile, ranks: np.ndarray, srv: ResolvedServer, dura
         srv.kv_cache_tokens // profile.block_size, step_model(profile, srv).to_array(), profile.block_size,
         duration_s, warm_cpu=True,
         ttft_overhead_ms=profile.frontend.ttft_overhead_ms if profile.frontend is not None else 0.0,
-        **api_server_options(profile, server))
+        step_noise_sigma=profile.step_noise_sigma, **api_server_options(profile, server))
 
 
 def api_server_options(profile: Profile, server: ServerConfig) -> dict[str, float]:

@@ -102,3 +102,33 @@ def sched_ms(coef: np.ndarray, n_running: int, n_waiting: int) -> float:
     """CPU scheduler time of a step (paper form); charged in every non-idle step."""
     v = (coef[SB] * n_running + coef[S0] + n_waiting * (coef[SW] - coef[SWA]) - coef[SBASE])
     return v if v > 0.0 else 0.0
+
+
+# ---- per-step variability (docs/engine-semantics.md, "Step noise") -----------------------------------------
+NOISE_BITS = 12  # the noise law as a table of 2**NOISE_BITS equiprobable quantiles
+NOISE_MULT = 0x9E3779B97F4A7C15  # splitmix64's increment: consecutive steps draw far-apart counters
+
+
+def noise_table(sigma: float) -> np.ndarray:
+    """The step-time multiplier's law: mean-one log-normal with log-sd ``sigma``, as 2**NOISE_BITS quantiles at
+    the midpoints of equal-probability cells (then divided by their mean, so that the mean is exactly 1: the
+    noise moves the tails, not the throughput). Empty for ``sigma == 0`` (no noise, no multiply)."""
+    from statistics import NormalDist
+
+    if not sigma > 0.0:
+        return np.zeros(0)
+    n = 2**NOISE_BITS
+    z = np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
+    m = np.exp(sigma * z)
+    return m / m.mean()
+
+
+def noise_index(key: int, step: int) -> int:
+    """The table cell of step ``step`` (a counter-based draw: splitmix64 of ``key + step * NOISE_MULT``, top
+    bits). A pure function of (key, step): a paused, resumed or live engine draws what a batch run draws."""
+    mask = (1 << 64) - 1
+    z = (key + step * NOISE_MULT) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return z >> (64 - NOISE_BITS)

@@ -182,6 +182,11 @@ class EngineConfig:
     # the sleep of a /metrics poller between an answer and its next scrape (s; 0 = none), and a scrape's render
     # time: fixed, per label series of vllm:lora_requests_info and per adapter name in their labels. All 0: the
     # loop is not modelled (every token reaches its client at the end of its step).
+    # per-step variability (docs/engine-semantics.md, "Step noise"): the scheduler + forward-pass time of step s
+    # is multiplied by a mean-one log-normal draw of log-sd ``step_noise_sigma`` (0: none), counter-based on
+    # (``step_noise_seed``, s) so that every engine draws the same
+    step_noise_sigma: float = 0.0
+    step_noise_seed: int = 0
     api_ms_per_output: float = 0.0
     output_proc_chunk: int = 128  # VllmRules.output_proc_chunk: outputs the loop processes without yielding
     metrics_scrape_s: float = 0.0
@@ -241,6 +246,13 @@ class EngineConfig:
             if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating) \
                     or not math.isfinite(v) or v <= 0:
                 raise SpecError(f"{name} {v!r}: expected a finite number of seconds > 0")
+        v = self.step_noise_sigma
+        if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating) \
+                or not math.isfinite(v) or not 0 <= v <= 1:
+            raise SpecError(f"step_noise_sigma {v!r}: expected a log-sd in [0, 1]")
+        v = self.step_noise_seed
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or not 0 <= v < 2**64:
+            raise SpecError(f"step_noise_seed {v!r}: expected an integer in [0, 2**64)")
         for name, unit in (("ttft_overhead_ms", "ms"), ("api_ms_per_output", "ms"), ("metrics_scrape_s", "seconds"),
                            ("scrape_base_ms", "ms"), ("scrape_us_per_series", "µs"),
                            ("scrape_us_per_label_name", "µs")):
