@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             refinement = RefinementOptions(workers=args.workers, max_evals=DEFAULT_MAX_EVALS,
                                            max_wall_s=args.max_minutes * 60.0, start=start,
                                            free=settings.get("free", DEFAULT_FREE),
-                                           group_weight=settings.get("group_weight", GROUP_BIAS_WEIGHT))
+                                           group_weight=settings.get("group_weight", GROUP_BIAS_WEIGHT),
+                                           api_server=True)  # the reference runs had a /metrics poller
             options = CalibrateOptions(model=model, gpu=GPU, vllm_version=VLLM_VERSION, refinement=refinement)
             s = calibrate(data_dir / "profiling", data_dir / CALIBRATION_CSV, out, options,
                           report=args.report_dir / model, log=lambda msg: print(msg, file=sys.stderr, flush=True))

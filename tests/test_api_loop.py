@@ -224,3 +224,24 @@ def test_step_noise_moves_the_tail_not_the_mean() -> None:
     again = simulate_fast(dataclasses.replace(base, step_noise_sigma=0.1), req)
     assert np.array_equal(again.t_finish_s, r1.t_finish_s, equal_nan=True)
     assert not np.array_equal(r2.t_finish_s, r1.t_finish_s, equal_nan=True)
+
+
+# ---- fitting the loop (calibrate.apiserver) ------------------------------------------------------------------
+
+
+def test_the_fit_cost_refits_the_ttft_constant_and_scores_the_tails() -> None:
+    """``api_cost``: the TTFT constant moves by the median gap of the runs without queueing (no simulation); a
+    candidate whose tails are right costs nothing, one 5 % off costs one unit per term."""
+    from lorapack.calibrate.apiserver import api_cost
+    from lorapack.realruns import RunPrediction
+
+    rows = [{"status": "ok", "ttft_mean_ms": str(t), "ttft_p99_ms": str(3 * t), "itl_mean_ms": "20",
+             "itl_p99_ms": "60"} for t in (40.0, 50.0, 60.0)]
+    right = [RunPrediction(oom=False, ttft_mean_ms=t - 4.0, ttft_p99_ms=3 * t - 4.0, itl_mean_ms=20.0, itl_p99_ms=60.0)
+             for t in (40.0, 50.0, 60.0)]
+    cost, c_ms, parts = api_cost(rows, right, c_used_ms=10.0)
+    assert c_ms == pytest.approx(14.0) and cost == pytest.approx(0.0, abs=1e-12)
+    off = [RunPrediction(oom=False, ttft_mean_ms=p.ttft_mean_ms, ttft_p99_ms=p.ttft_p99_ms, itl_mean_ms=20.0,
+                         itl_p99_ms=60.0 * math.exp(0.05)) for p in right]
+    cost, _c, parts = api_cost(rows, off, c_used_ms=10.0)
+    assert parts["itl_p99"] == pytest.approx(1.0) and cost == pytest.approx(1.0)

@@ -174,14 +174,24 @@ def build_workload(row: dict, seed: int, lengths: str = "lognormal", cv: float |
 REAL_METRICS_SCRAPE_S = 2.0
 
 
+def metrics_poller_s(row: dict) -> float | None:
+    """The /metrics poller of a run: its ``metrics_scrape_s`` column when it has one (empty: none); else the
+    reference harness's 2 s for the research runs CSV, and none for ``vllm bench serve`` JSON runs
+    (``source``) and ``lorapack measure`` runs (``ttft_source``), whose clients poll nothing."""
+    if "metrics_scrape_s" in row:
+        v = row_float(row, "metrics_scrape_s")
+        return v if v is not None and v > 0 else None
+    return None if row.get("source") or row.get("ttft_source") else REAL_METRICS_SCRAPE_S
+
+
 def server_flags(row: dict, profile: Profile, client_cap: int | None = None):
     """The row's vLLM flags (``lorapack.server.ServerConfig``); the client cap defaults to the real benchmark's."""
     from .server import ServerConfig
     from .twin.run import REAL_CLIENT_CAP
 
     # every reference run had the harness's /metrics poller (concurrent_metrics_checker.py: GET, parse, sleep 2 s;
-    # ../shared/data README, "2-second Prometheus samples")
-    return ServerConfig(metrics_scrape_s=REAL_METRICS_SCRAPE_S,
+    # ../shared/data README, "2-second Prometheus samples"): ``metrics_poller_s``
+    return ServerConfig(metrics_scrape_s=metrics_poller_s(row),
         max_loras=int(float(row["max_loras"])), max_lora_rank=int(float(row["max_lora_rank"])),
         max_cpu_loras=int(row_float(row, "max_cpu_loras", float(row["n_adapters"]))),
         max_num_batched_tokens=int(row_float(row, "max_num_batched_tokens", profile.max_num_batched_tokens)),

@@ -33,9 +33,11 @@ from ..realruns import (
     breakdown,
     compare_runs,
     guard_subset,
+    metrics_poller_s,
     run_group,
     score_runs,
 )
+from .apiserver import fit_api_server
 from .priors import fit_priors_from, lora_overhead_points, plain_scalars
 from .refine import (
     DEFAULT_FREE,
@@ -143,6 +145,10 @@ class RefinementOptions:
     itl_weight: float = 1.0
     group_weight: float = GROUP_BIAS_WEIGHT
     start: Profile | None = None
+    # fit the API server's loop (``calibrate.apiserver``, docs/trust-under-load.md) instead of the constant TTFT
+    # share alone, on runs made under a /metrics poller (``realruns.metrics_poller_s``): ~18 more simulations of
+    # every run
+    api_server: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "free", tuple(self.free))
@@ -256,10 +262,14 @@ def refine_profile(prior: Profile, rows: list[dict], anchors: Sequence[dict] = (
         frontend = FrontendModel(ttft_overhead_ms=0.0)
         p_front = {"method": "0: every run's TTFT is the engine's own (queued -> first token, vLLM's per-request "
                              "metrics), which holds no API-server time", "n_points": 0, "ttft_overhead_ms": 0.0}
+    elif options.api_server and any(metrics_poller_s(r) is not None for r in rows):
+        api, frontend, p_front = fit_api_server(prof, rows, seeds=seeds, lengths=lengths, workers=workers, log=log)
+        prof = prof.model_copy(update={"api_server": api})
     else:
-        _s, table = validate_profile(prof.model_copy(update={"frontend": None}), rows, seeds=seeds,
-                                     lengths=lengths, workers=workers)
+        _s, table = validate_profile(prof.model_copy(update={"frontend": None, "api_server": None}), rows,
+                                     seeds=seeds, lengths=lengths, workers=workers)
         frontend, p_front = fit_frontend(table)
+        prof = prof.model_copy(update={"api_server": None})
     prof = prof.model_copy(update={"frontend": frontend})
     if log:
         log(f"{model}: API server TTFT overhead {frontend.ttft_overhead_ms:.2f} ms (from {p_front['n_points']} "
