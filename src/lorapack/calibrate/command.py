@@ -218,6 +218,10 @@ def refine_profile(prior: Profile, rows: list[dict], anchors: Sequence[dict] = (
     start = None
     if options.start is not None:
         start = with_values(prior, {n: param_value(n, options.start) for n in free})
+        if options.api_server and options.start.api_server is not None:
+            # the step constants are fitted to per-chunk ITL: with the start's API-server loop merging chunks as
+            # the real one did (fitted without it, they absorb the merges; docs/trust-under-load.md)
+            start = start.model_copy(update={"api_server": options.start.api_server})
     import time
 
     model = prior.model
