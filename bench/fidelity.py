@@ -204,6 +204,19 @@ def _print(result: dict) -> None:
             conf = " ".join(str(c[k]) for k in ("real_starved_pred_starved", "real_starved_pred_healthy",
                                                 "real_healthy_pred_starved", "real_healthy_pred_healthy"))
             print(" | ".join([model.split("-")[0], scope, str(sc["n_runs"])] + [_fmt(sc[k]) for k in KEYS] + [conf]))
+    # issue 27's items: TTFT by load tercile (runs < 1 s), the tails, "TTFT <= T" agreement
+    print("model | scope | TTFT median signed error by running-batch tercile (runs < 1 s) | ITL p99 bias (median) | "
+          "TTFT p99 SMAPE | TTFT <= 1/2/5/10 s agreement (optimistic share)")
+    for model, s in result["in_sample"].items():
+        lg = result["leave_one_group_out"].get(model)
+        for scope, sc in [("in-sample", s)] + ([("LOGO pooled", lg["pooled"])] if lg else []):
+            t = sc.get("ttft_by_load_tercile") or {}
+            terc = " / ".join(f"{x['bias_median_pct']:+.1f} % (B {x['running_min']:.1f}-{x['running_max']:.1f}, "
+                              f"{x['n']})" for x in t.get("terciles", []))
+            agree = ", ".join(f"{a['agreement']:.3f} ({a['optimistic_share']:.3f})"
+                              for a in (sc.get("ttft_objective_agreement") or {}).values())
+            print(f"{model.split('-')[0]} | {scope} | {terc} | {_fmt(sc.get('bias_itl_p99_median_pct'))} | "
+                  f"{_fmt(sc.get('smape_ttft_p99'))} | {agree}")
 
 
 if __name__ == "__main__":

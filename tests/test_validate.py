@@ -229,3 +229,17 @@ def test_full_calibration_file(calibration: Path, calibration_sim, monkeypatch) 
             assert math.isfinite(rows["predicted_throughput_tok_s"][i]), rows["run_id"][i]
             assert math.isfinite(rows["predicted_itl_ms"][i]) and math.isfinite(rows["predicted_ttft_ms"][i])
             assert rows["predicted_starved"][i] in (True, False)
+
+
+def test_ttft_by_load_tercile_splits_the_short_runs_by_their_batch() -> None:
+    """Issue 27's score: runs with real mean TTFT < 1 s, terciles of the real running batch, median signed error."""
+    from lorapack.realruns import ttft_load_terciles
+
+    y = np.array([100.0, 100.0, 100.0, 200.0, 200.0, 200.0, 300.0, 300.0, 300.0, 5000.0])
+    yhat = y * np.array([1.1, 1.1, 1.0, 1.0, 0.9, 0.9, 0.5, 0.5, 0.6, 1.0])
+    load = np.array([1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 50.0, 60.0, 70.0, 80.0])
+    out = ttft_load_terciles(y, yhat, load)
+    assert out["n"] == 9  # the 5 s run is not short
+    assert [t["n"] for t in out["terciles"]] == [3, 3, 3]
+    assert [round(t["bias_median_pct"], 6) for t in out["terciles"]] == [10.0, -10.0, -50.0]
+    assert out["terciles"][2]["running_min"] == 50.0

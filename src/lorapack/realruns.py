@@ -459,6 +459,25 @@ def ttft_regime_scores(y: np.ndarray, yhat: np.ndarray) -> dict[str, dict[str, f
     return out
 
 
+def ttft_load_terciles(y_ms: np.ndarray, yhat_ms: np.ndarray, load: np.ndarray,
+                       max_ttft_ms: float = 1000.0) -> dict[str, Any]:
+    """Issue 27's view of the short-TTFT end: over the runs with real mean TTFT below ``max_ttft_ms``, the
+    terciles of the real running batch (``running_mean``), each with its runs, batch range and median signed
+    TTFT error (% of real; > 0 = the prediction is slow)."""
+    sel = np.isfinite(y_ms) & np.isfinite(yhat_ms) & np.isfinite(load) & (y_ms < max_ttft_ms)
+    y, yhat, b = y_ms[sel], yhat_ms[sel], load[sel]
+    if len(b) < 3:
+        return {"n": int(len(b)), "cuts": None, "terciles": []}
+    cuts = [float(x) for x in np.quantile(b, [1 / 3, 2 / 3])]
+    out = []
+    for lo, hi in ((-math.inf, cuts[0]), (cuts[0], cuts[1]), (cuts[1], math.inf)):
+        m = (b > lo) & (b <= hi)
+        out.append({"n": int(m.sum()), "running_min": float(b[m].min()) if m.any() else NAN,
+                    "running_max": float(b[m].max()) if m.any() else NAN,
+                    "bias_median_pct": signed_bias_pct(y[m], yhat[m], "median")})
+    return {"n": int(len(b)), "max_ttft_ms": max_ttft_ms, "cuts": cuts, "terciles": out}
+
+
 def ttft_objective_agreement(y_ms: np.ndarray, yhat_ms: np.ndarray) -> dict[str, dict[str, float]]:
     """For each objective T: does the prediction agree on "mean TTFT <= T"? ``optimistic`` counts the runs
     the prediction says meet T while the real run does not (the misses that would make placement pack a GPU
@@ -518,6 +537,9 @@ def score_runs(rows: Sequence[dict], preds: Sequence[RunPrediction]) -> dict:
         out[f"bias_{key}_pct"] = signed_bias_pct(y, yhat)
     y_ttft, yhat_ttft = arr("measured_ttft_ms"), arr("predicted_ttft_ms")
     out["ttft_regimes"] = ttft_regime_scores(y_ttft, yhat_ttft)
+    out["ttft_by_load_tercile"] = ttft_load_terciles(y_ttft, yhat_ttft, arr("measured_running_mean"))
+    y, yhat = arr("measured_itl_p99_ms"), arr("predicted_itl_p99_ms")
+    out["bias_itl_p99_median_pct"] = signed_bias_pct(y, yhat, "median")
     out["ttft_objective_agreement"] = ttft_objective_agreement(y_ttft, yhat_ttft)
     oom_agree = [c.measured_oom == c.predicted_oom for c in cmp]
     out.update(starved_agreement=agree(conf), starved_agreement_clear=agree(conf_clear),
