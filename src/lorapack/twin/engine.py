@@ -867,8 +867,8 @@ def _api_take_outputs(lim, st, n_outputs, t_end_s):
 def _record_label_set(lim, st, t_end_s):
     """``PrometheusStatLogger.record`` once per step, after the step that ended at ``t_end_s`` (called at the
     next loop start, same time): a (running adapters, waiting adapters) set not seen before is a new label series
-    of ``vllm:lora_requests_info``, never removed (its fingerprint's top bits mark it in a bitmap: two sets
-    sharing them count once, a few in a million). vLLM's ``LoRARequestStates`` counts a request as waiting from
+    of ``vllm:lora_requests_info``, never removed (its fingerprint's top LABEL_SEEN_BITS bits mark it in a bitmap:
+    a new set whose bit is taken is missed, S / 2**24 of them at S series: 0.2 % at 40,000). vLLM's ``LoRARequestStates`` counts a request as waiting from
     the API server's ``add_request`` to its first scheduled step: the arrivals handed over by now and not queued
     yet are waiting too."""
     c = st.counters[0]
