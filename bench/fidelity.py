@@ -76,9 +76,11 @@ def fit_settings(prof: Profile) -> tuple[tuple[str, ...], float]:
 
 def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_evals: tuple[int, int],
          workers: int, max_wall_s: float = DEFAULT_MAX_WALL_S, only: list[str] | None = None,
-         free: tuple[str, ...] = DEFAULT_FREE, group_weight: float = GROUP_BIAS_WEIGHT) -> dict:
+         free: tuple[str, ...] = DEFAULT_FREE, group_weight: float = GROUP_BIAS_WEIGHT, api_server: bool = False
+         ) -> dict:
     """Leave-one-group-out for one model: refine on two groups, score the third; plus the pooled scores (over
-    the held-out groups run: ``only`` restricts them)."""
+    the held-out groups run: ``only`` restricts them). ``api_server``: fit the API server's loop per fold too
+    (``calibrate.apiserver``; as the shipped profile was when it has one)."""
     groups = sorted({run_group(r["run_id"]) for r in rows})
     if only:
         unknown = sorted(set(only) - set(groups))
@@ -99,7 +101,7 @@ def logo(data_dir: Path, model: str, rows: list[dict], seeds: list[int], max_eva
             prior = fit_priors_from(data_dir / "profiling", runs_csv, model)
         tag = f"  [held out: {g}] "
         refinement = RefinementOptions(seeds=len(seeds), workers=workers, free=free, max_evals=max_evals,
-                                       max_wall_s=max_wall_s, group_weight=group_weight)
+                                       max_wall_s=max_wall_s, group_weight=group_weight, api_server=api_server)
         prof, prov = refine_profile(prior, train, anchors, refinement,
                                     log=lambda s, tag=tag: print(tag + s, file=sys.stderr, flush=True))
         scores, table = validate_profile(prof, test, seeds=seeds, workers=workers)
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             result["logo_free"][model], result["logo_group_weight"][model] = list(free), group_weight
             result["leave_one_group_out"][model] = logo(data_dir, model, rows, seeds, max_evals, args.workers,
                                                         args.max_minutes * 60.0, args.group, free,
-                                                        group_weight)
+                                                        group_weight, find_profile(model).api_server is not None)
         del table
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".json.tmp")

@@ -116,5 +116,6 @@ def fit_api_server(prof: Profile, rows: Sequence[dict], *, seeds: Sequence[int] 
                       f"{FRONTEND_MAX_TTFT_MS:.0f} ms); cost: mean squared log errors of ITL mean and p99 (runs below "
                       f"{TAIL_MAX_TTFT_MS:.0f} ms) and of TTFT mean and p99 (runs below {FRONTEND_MAX_TTFT_MS:.0f} "
                       "ms); docs/trust-under-load.md",
-            "metrics_scrape_s": "per run (realruns.metrics_poller_s)", "best": best, "tried": tried}
+            "metrics_scrape_s": "per run (realruns.metrics_poller_s)", "ttft_overhead_ms": best["ttft_overhead_ms"],
+            "api_server": api.model_dump(), "best": best, "tried": tried}
     return api, frontend, prov

@@ -37,7 +37,7 @@ from ..realruns import (
     run_group,
     score_runs,
 )
-from .apiserver import fit_api_server
+from .apiserver import REGISTRY_FIT, fit_api_server
 from .priors import fit_priors_from, lora_overhead_points, plain_scalars
 from .refine import (
     DEFAULT_FREE,
@@ -218,10 +218,13 @@ def refine_profile(prior: Profile, rows: list[dict], anchors: Sequence[dict] = (
     start = None
     if options.start is not None:
         start = with_values(prior, {n: param_value(n, options.start) for n in free})
-        if options.api_server and options.start.api_server is not None:
-            # the step constants are fitted to per-chunk ITL: with the start's API-server loop merging chunks as
-            # the real one did (fitted without it, they absorb the merges; docs/trust-under-load.md)
-            start = start.model_copy(update={"api_server": options.start.api_server})
+    if options.api_server:
+        # the step constants are fitted to per-chunk ITL: with an API-server loop merging chunks as the real one did
+        # (fitted without it, they absorb the merges; docs/trust-under-load.md): the start's loop, else the
+        # registry fit of the research (``apiserver.REGISTRY_FIT``); ``fit_api_server`` refits it afterwards
+        loop = options.start.api_server if options.start is not None and options.start.api_server is not None \
+            else REGISTRY_FIT
+        start = (start if start is not None else prior).model_copy(update={"api_server": loop})
     import time
 
     model = prior.model
