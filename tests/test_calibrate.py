@@ -342,3 +342,31 @@ def test_bad_residual_weight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
     code, _, stderr = run_main(monkeypatch, capsys, "calibrate", "--profiling", tmp_path / "nowhere",
                                "--model", LLAMA, "--out", out, opt, value)
     assert code == 2 and opt in stderr and "expected a finite number >= 0" in stderr and not out.exists()
+
+
+def test_calibrate_fits_the_api_server_loop(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``RefinementOptions.api_server`` and runs made under a /metrics poller (the research CSV), calibrate
+    refines with a loop and then fits it (``calibrate.apiserver``; a shrunken search here: one kappa, three
+    points): the profile gets ``api_server`` and the TTFT constant of the best point, the provenance every point."""
+    from lorapack.calibrate import apiserver
+
+    monkeypatch.setattr(apiserver, "KAPPA_GRID", (0.1,))
+    monkeypatch.setattr(apiserver, "GOLDEN_STEPS", 3)
+    with (data_dir / CALIBRATION_CSV).open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["model"] == LLAMA]
+    light = [r for r in rows if r["status"] == "ok" and r["run_id"].endswith(("___8_8_16_", "___16_16_16_"))]
+    runs = tmp_path / "runs.csv"
+    with runs.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(light)
+    out = tmp_path / "refined.yaml"
+    refinement = RefinementOptions(max_evals=(0, 1), free=("e0",), workers=1, api_server=True)
+    calibrate(data_dir / "profiling", runs, out, CalibrateOptions(model=LLAMA, refinement=refinement))
+    p = load_profile_file(out)
+    front = p.provenance["refinement"]["frontend"]
+    assert p.api_server is not None and p.api_server.ms_per_output == 0.1
+    assert len(front["tried"]) == 3 and front["best"] == min(front["tried"], key=lambda t: t["cost"])
+    assert p.frontend.ttft_overhead_ms == pytest.approx(front["ttft_overhead_ms"])
+    assert p.api_server.scrape_us_per_series == pytest.approx(
+        apiserver.REGISTRY_FIT.scrape_us_per_series * front["best"]["scale"])
