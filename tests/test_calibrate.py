@@ -184,8 +184,8 @@ def test_calibrate_refinement_smoke(data_dir: Path, tmp_path: Path) -> None:
     assert val["guard"]["n_runs"] >= 1 and "smape_throughput" in val["guard"]["scores"]
 
 
-def test_calibrate_says_when_nothing_was_refined(data_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
-    """``--max-evals 0,0`` writes the starting constants: the profile and the output say they are not refined."""
+def _light_runs_csv(data_dir: Path, tmp_path: Path) -> Path:
+    """The light Llama runs (A = N = 8 and 16) of the calibration CSV as their own runs file."""
     with (data_dir / CALIBRATION_CSV).open(newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["model"] == LLAMA]
     light = [r for r in rows if r["status"] == "ok" and r["run_id"].endswith(("___8_8_16_", "___16_16_16_"))]
@@ -194,6 +194,12 @@ def test_calibrate_says_when_nothing_was_refined(data_dir: Path, tmp_path: Path,
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(light)
+    return runs
+
+
+def test_calibrate_says_when_nothing_was_refined(data_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """``--max-evals 0,0`` writes the starting constants: the profile and the output say they are not refined."""
+    runs = _light_runs_csv(data_dir, tmp_path)
     out = tmp_path / "p.yaml"
     code, _out, err = run_main(monkeypatch, capsys, "calibrate", "--profiling", str(data_dir / "profiling"), "-m",
                                LLAMA, "--runs", str(runs), "--out", str(out), "--max-evals", "0,0", "--workers", "1")
@@ -352,14 +358,7 @@ def test_calibrate_fits_the_api_server_loop(data_dir: Path, tmp_path: Path, monk
 
     monkeypatch.setattr(apiserver, "KAPPA_GRID", (0.1,))
     monkeypatch.setattr(apiserver, "GOLDEN_STEPS", 3)
-    with (data_dir / CALIBRATION_CSV).open(newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["model"] == LLAMA]
-    light = [r for r in rows if r["status"] == "ok" and r["run_id"].endswith(("___8_8_16_", "___16_16_16_"))]
-    runs = tmp_path / "runs.csv"
-    with runs.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(light)
+    runs = _light_runs_csv(data_dir, tmp_path)
     out = tmp_path / "refined.yaml"
     refinement = RefinementOptions(max_evals=(0, 1), free=("e0",), workers=1, api_server=True)
     calibrate(data_dir / "profiling", runs, out, CalibrateOptions(model=LLAMA, refinement=refinement))
