@@ -514,3 +514,18 @@ def corner_cases() -> list[Case]:
         case("no requests in window", [(4.0, 0, 1, 1), (5.0, 0, 1, 1)]),
         case("timeline dt larger than window", [(0.0, 0, 5, 5)], timeline_dt_s=10.0),
     ]
+
+
+def assert_engines_agree(case: Case, **fast_options) -> None:
+    """The fast engine (``simulate_fast(..., **fast_options)``) reproduces the reference engine on ``case``
+    (``compare_results``, 1e-9 relative); a failure prints the case and what differs."""
+    import pytest
+
+    from lorapack.twin.engine import simulate_fast
+    from lorapack.twin.reference import simulate_reference
+
+    problems = compare_results(case, simulate_reference(case.cfg, case.req),
+                               simulate_fast(case.cfg, case.req, **fast_options), rtol=1e-9)
+    if problems:
+        pytest.fail("fast engine differs from the reference engine\n" + describe_case(case) + "\n"
+                    + "\n".join(problems), pytrace=False)

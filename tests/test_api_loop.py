@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_cases import build_case, case_params, compare_results, describe_case
+from engine_cases import assert_engines_agree, build_case, case_params, describe_case
 from lorapack.twin.engine import Engine, simulate_fast
 from lorapack.twin.reference import simulate_reference
 from lorapack.twin.steptime import StepModel
@@ -47,33 +47,24 @@ def _with_api(case, api: dict):
     return dataclasses.replace(case, cfg=dataclasses.replace(case.cfg, **api), name=f"{case.name} api={api}")
 
 
-def _check(case, **kw) -> None:
-    ref = simulate_reference(case.cfg, case.req)
-    fast = simulate_fast(case.cfg, case.req, **kw)
-    problems = compare_results(case, ref, fast, rtol=1e-9)
-    if problems:
-        pytest.fail("fast engine differs from the reference engine (API loop)\n" + describe_case(case) + "\n"
-                    + "\n".join(problems), pytrace=False)
-
-
 @settings(max_examples=60, **SETTINGS)
 @given(params=case_params(max_requests=200), api=api_settings())
 def test_fast_engine_equals_reference_with_the_api_loop(params, api) -> None:
-    _check(_with_api(build_case(params), api))
+    assert_engines_agree(_with_api(build_case(params), api))
 
 
 @pytest.mark.slow
 @settings(max_examples=300, **SETTINGS)
 @given(params=case_params(), api=api_settings())
 def test_fast_engine_equals_reference_with_the_api_loop_many(params, api) -> None:
-    _check(_with_api(build_case(params), api))
+    assert_engines_agree(_with_api(build_case(params), api))
 
 
 @pytest.mark.slow
 @settings(max_examples=30, **SETTINGS)
 @given(params=case_params(max_requests=120), api=api_settings())
 def test_uncompiled_path_with_the_api_loop(params, api) -> None:
-    _check(_with_api(build_case(params), api), compiled=False)
+    assert_engines_agree(_with_api(build_case(params), api), compiled=False)
 
 
 RESULT_COLUMNS = ("t_sent_s", "t_first_s", "t_finish_s", "n_preempted", "n_merged")

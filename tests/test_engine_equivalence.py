@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from engine_cases import build_case, case_params, compare_results, corner_cases, describe_case, random_params
+from engine_cases import (
+    assert_engines_agree,
+    build_case,
+    case_params,
+    compare_results,
+    corner_cases,
+    describe_case,
+    random_params,
+)
 from lorapack.twin.engine import simulate_fast  # required: a missing engine or numba fails the suite
 from lorapack.twin.reference import simulate_reference
 
@@ -22,13 +30,7 @@ SETTINGS = dict(derandomize=True, deadline=None, database=None, print_blob=False
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def assert_equivalent(case, **kw) -> None:
-    ref = simulate_reference(case.cfg, case.req)
-    fast = simulate_fast(case.cfg, case.req, **kw)
-    problems = compare_results(case, ref, fast, rtol=1e-9)
-    if problems:
-        pytest.fail("fast engine differs from the reference engine\n" + describe_case(case) + "\n"
-                    + "\n".join(problems), pytrace=False)
+assert_equivalent = assert_engines_agree
 
 
 @pytest.mark.parametrize("case", corner_cases(), ids=lambda c: c.name)
