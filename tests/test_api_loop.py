@@ -235,4 +235,4 @@ def test_the_fit_cost_refits_the_ttft_constant_and_scores_the_tails() -> None:
     off = [RunPrediction(oom=False, ttft_mean_ms=p.ttft_mean_ms, ttft_p99_ms=p.ttft_p99_ms, itl_mean_ms=20.0,
                          itl_p99_ms=60.0 * math.exp(0.05)) for p in right]
     cost, _c, parts = api_cost(rows, off, c_used_ms=10.0)
-    assert parts["itl_p99"] == pytest.approx(1.0) and cost == pytest.approx(1.0)
+    assert parts["itl_p99"] == pytest.approx(1.0) and cost == pytest.approx(1.0) and parts["n_short_runs"] == 3

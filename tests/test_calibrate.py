@@ -361,7 +361,9 @@ def test_calibrate_fits_the_api_server_loop(data_dir: Path, tmp_path: Path, monk
     runs = _light_runs_csv(data_dir, tmp_path)
     out = tmp_path / "refined.yaml"
     refinement = RefinementOptions(max_evals=(0, 1), free=("e0",), workers=1, api_server=True)
-    calibrate(data_dir / "profiling", runs, out, CalibrateOptions(model=LLAMA, refinement=refinement))
+    said: list[str] = []
+    calibrate(data_dir / "profiling", runs, out, CalibrateOptions(model=LLAMA, refinement=refinement), log=said.append)
+    assert any("API loop kappa 0.100 ms" in s for s in said) and any("TTFT overhead" in s for s in said)
     p = load_profile_file(out)
     front = p.provenance["refinement"]["frontend"]
     assert p.api_server is not None and p.api_server.ms_per_output == 0.1

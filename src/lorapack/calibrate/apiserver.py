@@ -55,6 +55,7 @@ def api_cost(rows: Sequence[dict], preds: Sequence[RunPrediction | None], c_used
             if (row_float(r, "ttft_mean_ms") or math.inf) < FRONTEND_MAX_TTFT_MS and math.isfinite(p.ttft_mean_ms)]
     c_ms = max(0.0, c_used_ms + float(np.median(gaps))) if gaps else c_used_ms
     shift = c_ms - c_used_ms
+    n_short = len(gaps)
     parts: dict[str, list[float]] = {"itl": [], "itl_p99": [], "ttft": [], "ttft_p99": []}
     for r, p in pairs:
         real_ttft = row_float(r, "ttft_mean_ms") or math.inf
@@ -65,7 +66,8 @@ def api_cost(rows: Sequence[dict], preds: Sequence[RunPrediction | None], c_used
             parts["ttft"].append(_log_err(p.ttft_mean_ms + shift, real_ttft))
             parts["ttft_p99"].append(_log_err(p.ttft_p99_ms + shift, row_float(r, "ttft_p99_ms")))
     means = {k: float(np.nanmean(np.square(np.asarray(v) / RESIDUAL_SCALE))) if v else 0.0 for k, v in parts.items()}
-    return float(sum(means.values())), c_ms, means
+    means["n_short_runs"] = n_short  # (not a cost: the runs the TTFT constant comes from)
+    return float(sum(v for k, v in means.items() if k != "n_short_runs")), c_ms, means
 
 
 def fit_api_server(prof: Profile, rows: Sequence[dict], *, seeds: Sequence[int] = (0,), lengths: str = "lognormal",
@@ -86,8 +88,9 @@ def fit_api_server(prof: Profile, rows: Sequence[dict], *, seeds: Sequence[int] 
             api = candidate(kappa, math.exp(log_scale))
             preds = ev({prof.model: prof.model_copy(update={"api_server": api})})
             value, c_ms, parts = api_cost(rows, preds, c0)
+            n_short = parts.pop("n_short_runs")
             tried.append({"ms_per_output": kappa, "scale": math.exp(log_scale), "cost": value,
-                          "ttft_overhead_ms": c_ms, **{f"cost_{k}": v for k, v in parts.items()}})
+                          "ttft_overhead_ms": c_ms, "n_points": n_short, **{f"cost_{k}": v for k, v in parts.items()}})
             if log:
                 log(f"{prof.model}: API loop kappa {kappa:.3f} ms, render x{math.exp(log_scale):.2f}: cost "
                     f"{value:.2f} ({', '.join(f'{k} {v:.2f}' for k, v in parts.items())}), TTFT constant {c_ms:.2f} ms")
@@ -117,5 +120,6 @@ def fit_api_server(prof: Profile, rows: Sequence[dict], *, seeds: Sequence[int] 
                       f"{TAIL_MAX_TTFT_MS:.0f} ms) and of TTFT mean and p99 (runs below {FRONTEND_MAX_TTFT_MS:.0f} "
                       "ms); docs/trust-under-load.md",
             "metrics_scrape_s": "per run (realruns.metrics_poller_s)", "ttft_overhead_ms": best["ttft_overhead_ms"],
+            "n_points": best["n_points"],
             "api_server": api.model_dump(), "best": best, "tried": tried}
     return api, frontend, prov
