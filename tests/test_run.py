@@ -186,7 +186,7 @@ def test_simulate_output(llama) -> None:
     assert out.server.to_dict() == {"max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": 12,
                                     "max_num_batched_tokens": 2048, "max_num_seqs": 2048, "max_model_len": 131_072,
                                     "gpu_memory_utilization": 0.9, "enable_prefix_caching": False,
-                                    "vllm_version": "0.8.5", "vllm_rules": "0.8.5"}
+                                    "vllm_version": "0.8.5", "vllm_rules": "0.8.5", "metrics_scrape_s": None}
     assert out.wall_s > 0 and out.n_arrived > 0
     assert len(res.timeline["t_s"]) == 30  # one sample every 2 s of [0, 60)
 
