@@ -793,6 +793,17 @@ def _deliver_batch(lim, st):
 
 
 @njit(inline="always")
+def _hand_over(c, req, t):
+    """Ready times of the arrivals up to ``t`` not given one yet: the loop's floor of the latest interval, the one
+    before its first scrape for those that came before it."""
+    while c.api_next_index < c.n_known and req.t_arr_s[c.api_next_index] <= t:
+        r = c.api_next_index
+        x = req.t_arr_s[r]
+        req.t_ready_s[r] = max(x, c.api_floor_before_s if x < c.api_first_scrape_s else c.api_floor_s)
+        c.api_next_index = r + 1
+
+
+@njit(inline="always")
 def _api_until(lim, st, t):
     """The loop's events up to time ``t``, in time order: /metrics scrapes, and the ready time of each arrival
     (when the loop hands it to the engine core: at once, or once the work the loop had then is done). The
@@ -802,11 +813,7 @@ def _api_until(lim, st, t):
     it) gets what a batch run gave it: the floor of the interval it fell in (before or after its first scrape)."""
     c = st.counters[0]
     req = st.requests
-    while c.api_next_index < c.n_known and req.t_arr_s[c.api_next_index] <= c.api_done_s:
-        r = c.api_next_index
-        x = req.t_arr_s[r]
-        req.t_ready_s[r] = max(x, c.api_floor_before_s if x < c.api_first_scrape_s else c.api_floor_s)
-        c.api_next_index = r + 1
+    _hand_over(c, req, c.api_done_s)
     if t <= c.api_done_s:
         return
     c.api_floor_before_s = _api_floor(c)
@@ -824,11 +831,7 @@ def _api_until(lim, st, t):
             c.scrape_s += render_s
             c.next_scrape_s = c.api_free_s + lim.scrape_period_s  # the poller sleeps after each answer
     c.api_floor_s = _api_floor(c)
-    while c.api_next_index < c.n_known and req.t_arr_s[c.api_next_index] <= t:
-        r = c.api_next_index
-        x = req.t_arr_s[r]
-        req.t_ready_s[r] = max(x, c.api_floor_before_s if x < c.api_first_scrape_s else c.api_floor_s)
-        c.api_next_index = r + 1
+    _hand_over(c, req, t)
     c.api_done_s = t
 
 
