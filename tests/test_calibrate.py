@@ -7,6 +7,7 @@ bad inputs are built in a scratch directory of symlinks with one rewritten file.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -320,28 +321,53 @@ def test_data_residuals_weights() -> None:
     assert len(data_residuals(rows, preds, group_weight=0.0)) == n
 
 
+def test_data_residuals_queueing_ttft() -> None:
+    """``ttft_weight`` adds the log mean-TTFT error of the runs whose *real* TTFT is in QUEUEING_TTFT_MS (so the
+    vector's length does not depend on the candidate), weighted; a candidate without a TTFT gets the penalty."""
+    from lorapack.calibrate.refine import QUEUEING_TTFT_MS, RESIDUAL_SCALE, data_residuals
+
+    rows, preds = _weight_rows()
+    real_ttft = [50.0, QUEUEING_TTFT_MS[0], 4_000.0, QUEUEING_TTFT_MS[1], 90_000.0]  # 2 queueing runs
+    for r, t in zip(rows, real_ttft, strict=True):
+        r["ttft_mean_ms"] = str(t)
+    preds = [dataclasses.replace(p, ttft_mean_ms=t * 0.5) for p, t in zip(preds, real_ttft, strict=True)]
+    base = data_residuals(rows, preds)
+    assert len(data_residuals(rows, preds, ttft_weight=0.0)) == len(base)
+    with_ttft = data_residuals(rows, preds, ttft_weight=0.25)
+    n = 2 * len(rows)
+    assert len(with_ttft) == len(base) + 2
+    # the TTFT residual follows its run's two residuals
+    assert with_ttft[4] == pytest.approx(0.25 * math.log(0.5) / RESIDUAL_SCALE)
+    assert with_ttft[7] == pytest.approx(0.25 * math.log(0.5) / RESIDUAL_SCALE)
+    assert np.allclose(np.delete(with_ttft, [4, 7])[:n], base[:n])
+    preds[1] = dataclasses.replace(preds[1], ttft_mean_ms=math.nan)
+    assert data_residuals(rows, preds, ttft_weight=0.25)[4] == pytest.approx(0.25 / RESIDUAL_SCALE)
+
+
 def test_refine_passes_residual_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """``refine`` (and ``calibrate``'s ``--itl-weight`` / ``--group-weight``) reach the residuals."""
     import lorapack.calibrate.refine as rf
 
     rows, preds = _weight_rows()
-    seen: list[tuple[float, float]] = []
+    seen: list[tuple[float, float, float]] = []
     real = rf.data_residuals
 
-    def spy(r, p, itl_weight=1.0, group_weight=rf.GROUP_BIAS_WEIGHT):
-        seen.append((itl_weight, group_weight))
-        return real(r, p, itl_weight, group_weight)
+    def spy(r, p, itl_weight=1.0, group_weight=rf.GROUP_BIAS_WEIGHT, ttft_weight=0.0):
+        seen.append((itl_weight, group_weight, ttft_weight))
+        return real(r, p, itl_weight, group_weight, ttft_weight)
 
     monkeypatch.setattr(rf, "data_residuals", spy)
     prof = find_profile(LLAMA)
-    for kw, want in (({}, (1.0, rf.GROUP_BIAS_WEIGHT)), ({"itl_weight": 2.5, "group_weight": 6.0}, (2.5, 6.0))):
+    for kw, want in (({}, (1.0, rf.GROUP_BIAS_WEIGHT, 0.0)),
+                     ({"itl_weight": 2.5, "group_weight": 6.0, "ttft_weight": 0.5}, (2.5, 6.0, 0.5))):
         seen.clear()
         rf.refine({LLAMA: prof}, {LLAMA: prof}, rows, lambda _p: list(preds),
                   rf.FitOptions(free=("e0",), max_nfev=1, **kw))
         assert seen and set(seen) == {want}
 
 
-@pytest.mark.parametrize("opt, value", [("--itl-weight", "-1"), ("--group-weight", "nan")])
+@pytest.mark.parametrize("opt, value", [("--itl-weight", "-1"), ("--group-weight", "nan"),
+                                        ("--ttft-weight", "-0.5")])
 def test_bad_residual_weight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
                              opt: str, value: str) -> None:
     out = tmp_path / "p.yaml"

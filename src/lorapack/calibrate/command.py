@@ -131,7 +131,8 @@ class RefinementOptions:
     ``seeds`` simulations per run, the ``lengths`` law the runs are rebuilt with (lognormal|fixed), ``workers``
     processes (0 = all cores); the ``free`` constants; ``max_evals``: the least-squares evaluations of the two
     stages (subset, all runs); ``max_wall_s``: the wall-time cap of both stages together; ``itl_weight``,
-    ``group_weight``: weights of the ITL and group-bias residuals (``refine.data_residuals``); ``start``: a
+    ``group_weight``, ``ttft_weight``: weights of the ITL, group-bias and queueing-TTFT residuals
+    (``refine.data_residuals``; the last 0 = none); ``start``: a
     profile whose free constants start the search instead of the priors (which stay the regularisation), e.g.
     the shipped profile when re-fitting after a change of the model. Invalid values raise ``DataError`` naming
     the flag."""
@@ -144,6 +145,7 @@ class RefinementOptions:
     max_wall_s: float = DEFAULT_MAX_WALL_S
     itl_weight: float = 1.0
     group_weight: float = GROUP_BIAS_WEIGHT
+    ttft_weight: float = 0.0
     start: Profile | None = None
     # fit the API server's loop (``calibrate.apiserver``, docs/trust-under-load.md) instead of the constant TTFT
     # share alone, on runs made under a /metrics poller (``realruns.metrics_poller_s``): ~18 more simulations of
@@ -158,7 +160,8 @@ class RefinementOptions:
         if self.lengths not in ("fixed", "lognormal"):
             raise DataError(f"--lengths {self.lengths}: expected fixed or lognormal")
         check_workers(self.workers)
-        for name, w in (("--itl-weight", self.itl_weight), ("--group-weight", self.group_weight)):
+        for name, w in (("--itl-weight", self.itl_weight), ("--group-weight", self.group_weight),
+                        ("--ttft-weight", self.ttft_weight)):
             if not (isinstance(w, int | float) and w >= 0 and w < float("inf")):
                 raise DataError(f"{name} {w}: expected a finite number >= 0")
         bad = [n for n in self.free if n not in FREE_PARAMS]
@@ -246,8 +249,8 @@ def refine_profile(prior: Profile, rows: list[dict], anchors: Sequence[dict] = (
             log(f"{model}: refinement stage {stage}: {len(sub)} runs, up to {nfev} least-squares evaluations "
                 f"or {cap / 60:.1f} min")
         with Evaluator(sub, seeds=seeds, lengths=lengths, workers=workers) as ev:
-            fit = FitOptions(free=free, itl_weight=itl_weight, group_weight=group_weight, max_nfev=nfev,
-                             max_wall_s=cap)
+            fit = FitOptions(free=free, itl_weight=itl_weight, group_weight=group_weight,
+                             ttft_weight=options.ttft_weight, max_nfev=nfev, max_wall_s=cap)
             res = refine({model: prof}, {model: prior}, sub, ev, fit, anchors={model: anchors}, log=log)[model]
         stages.append({"runs": len(sub), "stride": stride, "max_evaluations": nfev, "evaluations": res.n_evals,
                        "iterations": res.iterations, "converged": res.converged, "wall_s": res.wall_s,
@@ -286,7 +289,7 @@ def refine_profile(prior: Profile, rows: list[dict], anchors: Sequence[dict] = (
                   "and ITL over the runs (a 5% error = 1 unit), priors as Gaussian regularisation "
                   f"(residual (value - prior)/sd); stage 1 on every {SUBSET_STRIDE}rd run, stage 2 on all runs; "
                   f"each to convergence (ftol/xtol 1e-3) within {max_wall_s:.0f} s for both",
-        "weights": {"itl": itl_weight, "group_bias": group_weight},
+        "weights": {"itl": itl_weight, "group_bias": group_weight, "queueing_ttft": options.ttft_weight},
         "refined": moved,
         "converged": bool(stages) and all(s["converged"] for s in stages),
         "frontend": p_front,

@@ -170,14 +170,21 @@ def _log_err(pred: float | None, real: float | None) -> float:
 
 
 GROUP_BIAS_WEIGHT = 2.0  # x sqrt(runs in the group): a group's mean throughput error is a residual too
+# the runs whose real mean TTFT is in this range (ms) are queueing but not flooded: their TTFT is the engine's
+# queue (e.g. adapter swaps when max_loras < adapters), which throughput and ITL do not pin down
+# (docs/trust-under-load.md 7.6); below it TTFT is the API server's (fitted afterwards), above it the backlog
+QUEUEING_TTFT_MS = (1_000.0, 30_000.0)
 
 
 def data_residuals(rows: Sequence[dict], preds: Sequence[RunPrediction], itl_weight: float = 1.0,
-                   group_weight: float = GROUP_BIAS_WEIGHT) -> np.ndarray:
+                   group_weight: float = GROUP_BIAS_WEIGHT, ttft_weight: float = 0.0) -> np.ndarray:
     """Per scored run: log throughput error and (weighted) log ITL error, in units of RESIDUAL_SCALE; then per
     run group (``realruns.run_group``: rank x load in the reference data) the mean log throughput error times
     ``group_weight * sqrt(runs)``: per-run errors alone leave a group biased (e.g. the saturated high-rate
-    runs ~1.5 % high while the light ones are ~1 % low), and a bias is what costs or wastes GPUs."""
+    runs ~1.5 % high while the light ones are ~1 % low), and a bias is what costs or wastes GPUs. With
+    ``ttft_weight`` > 0, also the log mean-TTFT error of each run whose real mean TTFT is in
+    ``QUEUEING_TTFT_MS`` (times ``ttft_weight``): which runs carry one depends on the real data only, so the
+    residual vector keeps its length from candidate to candidate."""
     from ..realruns import run_group
 
     res = []
@@ -191,6 +198,10 @@ def data_residuals(rows: Sequence[dict], preds: Sequence[RunPrediction], itl_wei
         res.append(et if math.isfinite(et) else 1.0)
         res.append(itl_weight * (ei if math.isfinite(ei) else 1.0))
         by_group.setdefault(run_group(r.get("run_id") or ""), []).append(res[-2])
+        real_ttft = row_float(r, "ttft_mean_ms", None)
+        if ttft_weight > 0 and real_ttft is not None and QUEUEING_TTFT_MS[0] <= real_ttft < QUEUEING_TTFT_MS[1]:
+            eq = _log_err(p.ttft_mean_ms, real_ttft)
+            res.append(ttft_weight * (eq if math.isfinite(eq) else 1.0))
     if group_weight > 0:
         res.extend(group_weight * math.sqrt(len(e)) * float(np.mean(e)) for _g, e in sorted(by_group.items()))
     return np.asarray(res, float) / RESIDUAL_SCALE
@@ -245,7 +256,8 @@ def lora_anchor_residuals(profile: Profile, anchors: Sequence[dict]) -> np.ndarr
 class FitOptions:
     """Settings of one least-squares fit (``refine``): the ``free`` constants it moves; the weights of the
     regularisation toward the priors (``prior_weight``), of every run's ITL residual (``itl_weight``), of each
-    run group's mean throughput error (``group_weight``, see ``data_residuals``) and of the LoRA-overhead
+    run group's mean throughput error (``group_weight``, see ``data_residuals``), of the queueing runs' TTFT
+    (``ttft_weight``, 0: none) and of the LoRA-overhead
     anchors (``anchor_weight``); the stops: ``max_nfev`` residual evaluations, ``max_wall_s`` seconds (None: no
     cap), ``ftol`` (relative cost change) and ``xtol`` (relative step); ``diff_step``: the finite-difference step
     of the Jacobian, in prior standard deviations. Unknown free constants raise ``DataError``."""
@@ -254,6 +266,7 @@ class FitOptions:
     prior_weight: float = 1.0
     itl_weight: float = 1.0
     group_weight: float = GROUP_BIAS_WEIGHT
+    ttft_weight: float = 0.0
     anchor_weight: float = 1.0
     max_nfev: int = 40
     diff_step: float = 0.1
@@ -355,7 +368,8 @@ def refine(profiles: dict[str, Profile], priors: dict[str, Profile], rows: Seque
         parts = []
         for j, m in enumerate(models):
             preds = cache[key(x, j)]
-            d = data_residuals([rows[i] for i in idx[m]], [preds[i] for i in idx[m]], itl_weight, group_weight)
+            d = data_residuals([rows[i] for i in idx[m]], [preds[i] for i in idx[m]], itl_weight, group_weight,
+                               fit.ttft_weight)
             if anchors.get(m):
                 cand = with_values(profiles[m], unpack(x)[m])
                 d = np.concatenate([d, anchor_weight * lora_anchor_residuals(cand, anchors[m])])

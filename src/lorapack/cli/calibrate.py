@@ -55,6 +55,9 @@ def calibrate(
     group_weight: Annotated[float, typer.Option("--group-weight", help="Weight of each run group's mean "
                                                 "throughput error (times sqrt(runs in the group); 0 = off).")
                             ] = GROUP_BIAS_WEIGHT,
+    ttft_weight: Annotated[float, typer.Option("--ttft-weight", help="Weight of the mean-TTFT residual of each "
+                                               "run whose real mean TTFT is 1-30 s (queueing, not flooded); "
+                                               "0 = off.")] = 0.0,
     workers: Annotated[int, typer.Option(help="Parallel processes (0 = all cores).")] = 0,
     max_loras: BenchMaxLoras = None,
     max_lora_rank: BenchMaxLoraRank = None,
@@ -93,7 +96,8 @@ def calibrate(
     refinement = RefinementOptions(seeds=seeds, lengths=lengths, workers=workers,
                                    free=tuple(f.strip() for f in free.split(",") if f.strip()),
                                    max_evals=evals, max_wall_s=max_minutes * 60.0,  # type: ignore[arg-type]
-                                   itl_weight=itl_weight, group_weight=group_weight, start=start_profile)
+                                   itl_weight=itl_weight, group_weight=group_weight, ttft_weight=ttft_weight,
+                                   start=start_profile)
     options = CalibrateOptions(model=model, gpu=gpu, vllm_version=vllm_version, max_model_len=max_model_len,
                                refinement=refinement)
     summary = run_calibration(profiling, runs, out, options, report=report, bench=bench, log=log)
