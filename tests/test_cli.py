@@ -136,6 +136,34 @@ def test_simulate_profile_file() -> None:
     assert d["model"] == QWEN
 
 
+def test_simulate_metrics_scrape_s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture) -> None:
+    """``--metrics-scrape-s``: a /metrics poller stalls the API-server loop of a profile that models it (the run
+    changes, the server reports the flag); a profile without one says the flag changes nothing; a bad value is
+    one line naming the flag."""
+    import yaml
+
+    from lorapack.profile import ApiServerModel, find_profile
+
+    prof = find_profile(LLAMA)
+    loop = ApiServerModel(ms_per_output=0.1, scrape_base_ms=0.6, scrape_us_per_series=12.0,
+                          scrape_us_per_label_name=0.15)
+    path = tmp_path / "loop.yaml"
+    path.write_text(yaml.safe_dump(prof.model_copy(update={"api_server": loop}).model_dump(mode="json")))
+    args = (DEMO, "--profile", path, "-a", 8, "--duration-s", 120)
+    quiet, polled = sim_json(*args), sim_json(*args, "--metrics-scrape-s", 2)
+    assert quiet["server"]["metrics_scrape_s"] is None and polled["server"]["metrics_scrape_s"] == 2
+    assert (polled["ttft_mean_ms"], polled["itl_mean_ms"]) != (quiet["ttft_mean_ms"], quiet["itl_mean_ms"])
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(yaml.safe_dump(prof.model_copy(update={"api_server": None}).model_dump(mode="json")))
+    res = invoke("simulate", DEMO, "--profile", bare, "-a", 8, "--duration-s", 60, "--metrics-scrape-s", 2)
+    assert res.exit_code == 0 and "has no API-server model" in " ".join(res.stderr.split())
+    for bad in ("0", "-1", "nan"):
+        code, out, err = run_main(monkeypatch, capsys, "simulate", DEMO, "-m", LLAMA, "-a", 8,
+                                  "--metrics-scrape-s", bad)
+        assert_one_line_error(code, out, err, f"--metrics-scrape-s {float(bad)}: expected seconds > 0")
+
+
 def test_simulate_mean_token_overrides() -> None:
     base = sim_json(DEMO, "-m", LLAMA, "-a", 64, "--duration-s", 120)
     longer = sim_json(DEMO, "-m", LLAMA, "-a", 64, "--duration-s", 120, "--mean-input-tokens", 446)

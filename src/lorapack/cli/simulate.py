@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -143,6 +144,11 @@ def simulate(
              "benchmark runs set); vLLM 0.8.5's own `vllm serve` default is 8192 on H100/H200, 2048 elsewhere.")
     ] = None,
     cold_start: Annotated[bool, typer.Option("--cold-start", help="Start with empty GPU adapter slots.")] = False,
+    metrics_scrape_s: Annotated[float | None, typer.Option(
+        "--metrics-scrape-s", help="A Prometheus poller scrapes /metrics every this many seconds: each scrape "
+             "holds the API server for a time that grows with the adapters' label series (vLLM 0.8.5, "
+             "docs/engine-semantics.md \"The API server\"). Default: no poller. Needs a profile with an API-server "
+             "model (api_server).")] = None,
     early_stop: Annotated[bool, typer.Option(
         "--early-stop", help="Stop once the outcome is clear (healthy, or starving) and extrapolate the run-level metrics "
              "(needs --client-cap 0; see stop_reason / simulated_s).")] = False,
@@ -166,7 +172,12 @@ def simulate(
     if early_stop and client_cap > 0:
         raise SpecError(f"--early-stop with --client-cap {client_cap}: early termination needs the cap off "
                         f"(held-back arrivals make the extrapolation unknowable); drop one of them")
+    if metrics_scrape_s is not None and not (math.isfinite(metrics_scrape_s) and metrics_scrape_s > 0):
+        raise SpecError(f"--metrics-scrape-s {metrics_scrape_s}: expected seconds > 0 between scrapes")
     prof = apply_vllm_version(load_profile(model, gpu, profile), vllm_version)
+    if metrics_scrape_s is not None and prof.api_server is None:
+        err_console.print(f"note: --metrics-scrape-s: the profile {prof.model} has no API-server model "
+                          f"(api_server): scrapes change nothing in the simulation")
     wl = load_workload(workload)
     # a workload that gives no lengths (an adapters CSV, a YAML without ``lengths:``) is simulated with the
     # profile's fitted law, as ``place`` plans it: a plan's GPU simulated here then gives its verified numbers
@@ -193,7 +204,7 @@ def simulate(
         flags = ServerConfig(max_loras=a, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, client_cap=client_cap,
-                             warm_start=not cold_start)
+                             warm_start=not cold_start, metrics_scrape_s=metrics_scrape_s)
         m, r = run_sim(prof, wl, flags, duration_s, seed, EarlyStopOptions() if early_stop else None,
                        limits(force))
         runs.append((m, r if not runs else None))  # (the timeline needs only the first engine result)
