@@ -1,7 +1,7 @@
 """Fit the shipped profiles with the full procedure (docs/calibration.md): ``make profiles``.
 
 Usage: python scripts/fit_profiles.py [--data-dir DIR] [--out-dir DIR] [--report-dir DIR] [--model KEY ...]
-       [--start DIR | --from-priors] [--max-minutes M]
+       [--start DIR | --from-priors] [--max-minutes M] [--refit-steps]
 
 For each reference model: closed-form priors from ``DIR/profiling``, simulation-based refinement of the
 step-time constants against ``DIR/real-runs/calibration.csv``, validation on all its runs, fit-report plots,
@@ -13,6 +13,10 @@ simulated hours per model); it need not run in CI.
 The refinement starts from the constants of the profiles in ``--start DIR`` (default: the shipped profiles, a
 warm start: the search then needs few iterations to converge within its wall-time cap), or from the
 closed-form priors with ``--from-priors``. The priors are the regularisation either way.
+
+By default the start profiles' step-time constants are kept (no least-squares evaluation) and only the API
+server's loop and TTFT constant are fitted on them (``calibrate.apiserver``; docs/trust-under-load.md 7.7 says
+why); ``--refit-steps`` (or ``--from-priors``) refines the step constants too, with the loop on.
 
 ``FIT_SETTINGS`` holds what a model's refinement does beyond calibrate's defaults (free constants, group-bias
 weight); the profile records them (``provenance.refinement``). The shipped Qwen profile was fitted from the
@@ -68,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                    "(default: the shipped ones)")
     ap.add_argument("--from-priors", action="store_true", help="start the refinement from the priors")
     ap.add_argument("--max-minutes", type=float, default=15.0, help="wall-time cap of each model's refinement")
+    ap.add_argument("--refit-steps", action="store_true",
+                    help="also refit the step-time constants (with the API-server loop on and the queueing-TTFT "
+                         "residual); default: keep the start profiles' and fit the loop and TTFT constant only")
     args = ap.parse_args(argv)
     data_dir = args.data_dir or default_data_dir()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             if not args.from_priors and start_file.is_file():
                 start = load_profile_file(start_file)
                 print(f"{model}: refinement starts from {start_file}", file=sys.stderr, flush=True)
-            refinement = RefinementOptions(workers=args.workers, max_evals=DEFAULT_MAX_EVALS,
+            # the shipped step constants stay (docs/trust-under-load.md 7.7: refitted with the loop on, they traded
+            # "TTFT <= T" agreement on the adapter-swap queues for ITL); --refit-steps refits them too
+            max_evals = DEFAULT_MAX_EVALS if args.refit_steps or args.from_priors else (0, 0)
+            refinement = RefinementOptions(workers=args.workers, max_evals=max_evals,
                                            max_wall_s=args.max_minutes * 60.0, start=start,
                                            free=settings.get("free", DEFAULT_FREE),
                                            group_weight=settings.get("group_weight", GROUP_BIAS_WEIGHT),
