@@ -51,7 +51,8 @@ REPORT_DIR = Path(__file__).resolve().parent.parent / "docs" / "calibration"
 # Per-model refinement settings (docs/calibration.md, "Qwen: the shrink-grid term"): Qwen's high-rank ITL
 # needs the shrink-grid term e5 free, and the heavier group-bias weight keeps its high-rate throughput bias
 # within +-1 %; Llama meets every target with calibrate's defaults, so its constants (and models) stay.
-# Both: the queueing runs' TTFT is a residual (QUEUEING_TTFT_WEIGHT; docs/trust-under-load.md 7.6: fitted
+# With --refit-steps, both: the queueing runs' TTFT is a residual (QUEUEING_TTFT_WEIGHT; 0.25 did not hold the
+# swap queues either, 7.7; docs/trust-under-load.md 7.6: fitted
 # to throughput and ITL alone, the LoRA constants shortened the adapter-swap queues of the max_loras < adapters
 # runs, and "TTFT <= T" turned optimistic).
 QUEUEING_TTFT_WEIGHT = 0.25
