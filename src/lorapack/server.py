@@ -183,7 +183,7 @@ class ServerConfig:
         m = self.metrics_scrape_s
         if m is not None and (isinstance(m, bool) or not isinstance(m, int | float | np.integer | np.floating)
                               or not math.isfinite(m) or m <= 0):
-            raise SpecError(f"metrics_scrape_s {m!r}: expected seconds > 0 between scrapes, or None (no poller)")
+            raise SpecError(f"--metrics-scrape-s {m!r}: expected seconds > 0 between scrapes, or None (no poller)")
         if self.vllm_version is not None:
             parse_vllm_version(self.vllm_version)
         if self.rules is not None and not isinstance(self.rules, VllmRules):

@@ -198,8 +198,8 @@ def data_residuals(rows: Sequence[dict], preds: Sequence[RunPrediction], itl_wei
         res.append(et if math.isfinite(et) else 1.0)
         res.append(itl_weight * (ei if math.isfinite(ei) else 1.0))
         by_group.setdefault(run_group(r.get("run_id") or ""), []).append(res[-2])
-        real_ttft = row_float(r, "ttft_mean_ms", None)
-        if ttft_weight > 0 and real_ttft is not None and QUEUEING_TTFT_MS[0] <= real_ttft < QUEUEING_TTFT_MS[1]:
+        real_ttft = row_float(r, "ttft_mean_ms", None) if ttft_weight > 0 else None
+        if real_ttft is not None and QUEUEING_TTFT_MS[0] <= real_ttft < QUEUEING_TTFT_MS[1]:
             eq = _log_err(p.ttft_mean_ms, real_ttft)
             res.append(ttft_weight * (eq if math.isfinite(eq) else 1.0))
     if group_weight > 0:

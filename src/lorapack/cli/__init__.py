@@ -82,9 +82,12 @@ def _show_warnings() -> None:
 
     warnings.showwarning = show
     warnings.filterwarnings("once", category=LorapackWarning)
-    # multiprocessing's resource tracker (its own process, started with this environment) warns at exit about
-    # the semaphores of worker processes that Ctrl-C stopped (a nested pool's, with evaluate --jobs); it frees them
-    # itself, and the warning would break "interrupted" as the one line of a Ctrl-C (seen on a slow machine)
+
+
+def _quiet_resource_tracker() -> None:
+    """multiprocessing's resource tracker (its own process, started with this environment) warns at exit about
+    the semaphores of worker processes that Ctrl-C stopped (a nested pool's, with evaluate --jobs); it frees them
+    itself, and the warning would break "interrupted" as the one line of a Ctrl-C (seen on a slow machine)."""
     quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
     if quiet not in os.environ.get("PYTHONWARNINGS", ""):
         os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), quiet) if w)
@@ -161,6 +164,7 @@ def main() -> None:
 
 def _main() -> None:
     _show_warnings()
+    _quiet_resource_tracker()
     try:
         code = app(standalone_mode=False)  # typer returns the code of an Exit (Ctrl-C: Exit(130)), else None
         if isinstance(code, int) and not isinstance(code, bool) and code != 0:

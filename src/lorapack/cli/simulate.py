@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated
 
@@ -172,8 +171,11 @@ def simulate(
     if early_stop and client_cap > 0:
         raise SpecError(f"--early-stop with --client-cap {client_cap}: early termination needs the cap off "
                         f"(held-back arrivals make the extrapolation unknowable); drop one of them")
-    if metrics_scrape_s is not None and not (math.isfinite(metrics_scrape_s) and metrics_scrape_s > 0):
-        raise SpecError(f"--metrics-scrape-s {metrics_scrape_s}: expected seconds > 0 between scrapes")
+    # the server's flags, validated before any work (ServerConfig names the bad flag); one per scanned --max-loras
+    server = ServerConfig(max_loras=values[0], max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, client_cap=client_cap,
+                          warm_start=not cold_start, metrics_scrape_s=metrics_scrape_s)
     prof = apply_vllm_version(load_profile(model, gpu, profile), vllm_version)
     if metrics_scrape_s is not None and prof.api_server is None:
         err_console.print(f"note: --metrics-scrape-s: the profile {prof.model} has no API-server model "
@@ -201,11 +203,7 @@ def simulate(
 
     runs = []
     for a in values:
-        flags = ServerConfig(max_loras=a, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-                             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=max_num_batched_tokens, client_cap=client_cap,
-                             warm_start=not cold_start, metrics_scrape_s=metrics_scrape_s)
-        m, r = run_sim(prof, wl, flags, duration_s, seed, EarlyStopOptions() if early_stop else None,
+        m, r = run_sim(prof, wl, server.replace(max_loras=a), duration_s, seed, EarlyStopOptions() if early_stop else None,
                        limits(force))
         runs.append((m, r if not runs else None))  # (the timeline needs only the first engine result)
     out, res = runs[0]
