@@ -387,10 +387,17 @@ def pace_to_server(profile, adapter_ids: Sequence[str], ranks: Sequence[int], ar
 
 
 def order_agreement(t_sent_s: np.ndarray, adapter: Sequence, first_a: np.ndarray, first_b: np.ndarray,
-                    min_gap_s: float = 0.02) -> tuple[float, int]:
+                    min_gap_s: float = 0.02, tie_s: float = 0.0) -> tuple[float, int]:
     """Of the request pairs with different adapters sent at least ``min_gap_s`` apart, the share whose first
     tokens come in the same order in ``first_a`` and ``first_b`` (e.g. server and twin); ``(share, pairs)``.
-    Pairs where either side has no first token are left out; a tie on one side counts as agreement."""
+    Pairs where either side has no first token are left out; a tie on one side -- first tokens at most
+    ``tie_s`` apart -- counts as agreement.
+
+    ``tie_s`` of one step (``staircase.compare_with_twin``) leaves out what no rule decides: whether two requests
+    were picked up in the same step or one step apart depends on where the step boundaries fell, and the
+    server's first-token times carry the front end's own delay before queuing (tens of ms, ``outside_engine_s``)."""
+    if not (tie_s >= 0.0):
+        raise ValueError(f"tie_s {tie_s!r}: expected a number of seconds >= 0")
     t = np.asarray(t_sent_s, dtype=float)
     a = np.asarray(first_a, dtype=float)
     b = np.asarray(first_b, dtype=float)
@@ -403,5 +410,6 @@ def order_agreement(t_sent_s: np.ndarray, adapter: Sequence, first_a: np.ndarray
         return float("nan"), 0
     sa = np.sign(a[i] - a[j])
     sb = np.sign(b[i] - b[j])
-    agree = (sa == sb) | (sa == 0) | (sb == 0)
+    tied = (np.abs(a[i] - a[j]) <= tie_s) | (np.abs(b[i] - b[j]) <= tie_s)
+    agree = (sa == sb) | tied
     return float(agree.mean()), int(len(i))
