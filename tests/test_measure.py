@@ -380,3 +380,48 @@ def test_run_row_counts_like_the_twin() -> None:
 
     check_row({k: str(v) for k, v in row.items()}, "row", measured=("throughput_tok_s", "itl_mean_ms"),
               need_counts=True)
+
+
+def test_short_run_windows_are_named_with_the_budget_that_would_do() -> None:
+    """Windows under 15x a request's time alone get one line naming the --budget-min that gives them; none when
+    they are long enough; a note that the labels are rough when even the longest window is short."""
+    from lorapack.measure.run import SETTLE_S, SHARES, short_window_note
+
+    assert short_window_note(27.0, 1.0, 3) is None
+    note = short_window_note(27.0, 2.8, 3)  # the slow CI machine of 2026-11-29
+    assert note is not None and "2.8 s alone" in note and "27 s windows" in note and "42 s" in note
+    need = int(note.rsplit("--budget-min ", 1)[1].split()[0])
+    assert (need * 60 * SHARES["runs"]) / 3 - SETTLE_S >= 15 * 2.8
+    assert ((need - 1) * 60 * SHARES["runs"]) / 3 - SETTLE_S < 15 * 2.8
+    assert "stop at 120 s" in short_window_note(120.0, 10.0, 3)
+    assert short_window_note(30.0, float("nan"), 3) is None
+
+
+def test_predict_run_at_a_pace_reports_in_the_servers_time() -> None:
+    """``predict_run(..., time_scale=k)``: the twin with every duration k times longer, its figures in the
+    server's time: a light run's throughput is its offered load at any pace, a starving run's falls about k-fold,
+    and ITL grows k-fold."""
+    from types import SimpleNamespace
+
+    from lorapack.measure import proof as fd
+    from lorapack.measure.runs import RunAdapter, RunSpec, arrivals_for
+    from lorapack.profile import find_profile
+
+    prof = find_profile("llama-3.1-8b-instruct")
+    ident = SimpleNamespace(max_loras=4, max_lora_rank=32, max_cpu_loras=12, max_num_seqs=32,
+                            max_num_batched_tokens=256)
+    names = fd.adapter_names()
+
+    def run(rate: float) -> tuple[RunSpec, list]:
+        spec = RunSpec("r", tuple(RunAdapter(n, r, rate) for n, r, _ in names[:3]), 120.0, 7)
+        return spec, arrivals_for(spec.adapters, 120.0, 128.0, 128.0, 7)
+
+    light, heavy = run(0.3), run(200.0)
+    for k in (0.5, 2.0):
+        a, b = fd.predict_run(prof, *light, ident), fd.predict_run(prof, *light, ident, time_scale=k)
+        # (within 10 %: at another pace other requests are still in flight at the window's end)
+        assert b["throughput_tok_s"] == pytest.approx(a["throughput_tok_s"], rel=0.1) and not b["starved"]
+        assert b["itl_mean_ms"] == pytest.approx(k * a["itl_mean_ms"], rel=0.05)  # (batches differ a little)
+        a, b = fd.predict_run(prof, *heavy, ident), fd.predict_run(prof, *heavy, ident, time_scale=k)
+        assert a["starved"] and b["starved"]
+        assert b["throughput_tok_s"] == pytest.approx(a["throughput_tok_s"] / k, rel=0.1)

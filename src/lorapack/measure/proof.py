@@ -83,8 +83,32 @@ def replay_run(url: str, model: str, run: RunSpec, identity, idle_service_s, rep
             "repeat": repeat}
 
 
-def predict_run(profile, run: RunSpec, arrivals, identity) -> dict:
-    """The twin on the run's own arrivals (planned times): its metrics and per-adapter mean TTFTs."""
+# A base-model decode point of measure's ladder (concurrency, prompt tokens, output tokens): the pace probe
+PACE_PROBE = (8, 16, 128)
+
+
+def server_pace(ctx, mdir: Path) -> float:
+    """How many times longer the server's steps are now than when ``mdir`` was measured: the pace probe (base
+    model, ``PACE_PROBE``, two requests per worker) against the measurement's decode fit at that point.
+
+    A GPU keeps its pace; a shared CPU does not: on 2026-11-29 the same testbed server, minutes apart, ran the
+    same held-back run at 595 and at 818-844 tok/s (docs/testbed.md). ``predict_run(..., time_scale=pace)`` then
+    compares the profile's shape, not the machine's drift since it was measured."""
+    from .experiments import _itl, _loop
+    from .fit import fit_decode, read_rows
+
+    c0, c1, a3, _ = fit_decode(read_rows(Path(mdir), "decode.csv"))
+    b, prompt, output = PACE_PROBE
+    b = min(b, ctx.concurrency_cap())
+    res, _, _ = _loop(ctx, [None], b, 2, prompt, output, "pace probe")
+    then_ms = c0 + c1 * b + a3 * b * (prompt + output / 2.0) / 1000.0
+    return _itl(res.records) / then_ms
+
+
+def predict_run(profile, run: RunSpec, arrivals, identity, time_scale: float = 1.0) -> dict:
+    """The twin on the run's own arrivals (planned times): its metrics and per-adapter mean TTFTs.
+    ``time_scale``: every duration of the twin stretched by it (``server_pace``; ``testbed.replay.twin_replay``),
+    the figures returned in the server's time."""
     from ..server import ServerConfig
     from ..testbed.replay import twin_replay
 
@@ -93,15 +117,17 @@ def predict_run(profile, run: RunSpec, arrivals, identity) -> dict:
     flags = ServerConfig(max_loras=identity.max_loras, max_lora_rank=identity.max_lora_rank,
                          max_cpu_loras=identity.max_cpu_loras, max_num_seqs=identity.max_num_seqs,
                          max_num_batched_tokens=identity.max_num_batched_tokens, client_cap=0)
-    metrics, res = twin_replay(profile, ids, ranks, arrivals, flags, run.window_s)
+    metrics, res = twin_replay(profile, ids, ranks, arrivals, flags, run.window_s, time_scale=time_scale)
     by: dict[str, list[float]] = {}
     if res is not None:
         for a, tf, tfin, ts in zip(arrivals, res.t_first_s, res.t_finish_s, res.t_sent_s, strict=True):
             if np.isfinite(tfin) and tfin <= run.window_s:
                 by.setdefault(a.adapter_id, []).append(1000.0 * (tf - ts))
-    front = profile.frontend.ttft_overhead_ms if profile.frontend is not None else 0.0
-    return {"throughput_tok_s": metrics.throughput_tok_s, "ttft_mean_ms": metrics.ttft_mean_ms,
+    k = time_scale  # the metrics are in the twin's (stretched) time
+    front = (profile.frontend.ttft_overhead_ms if profile.frontend is not None else 0.0) * k
+    return {"throughput_tok_s": metrics.throughput_tok_s / k, "ttft_mean_ms": metrics.ttft_mean_ms * k,
             "starved": bool(metrics.starved), "throughput_ratio": metrics.throughput_ratio,
+            "finishable_tok_s": metrics.finishable_tok_s / k, "itl_mean_ms": metrics.itl_mean_ms * k,
             "adapter_ttft_ms": {k: float(np.mean(v)) + front for k, v in by.items()}}
 
 

@@ -48,6 +48,12 @@ DEFAULT_MEAN_INPUT, DEFAULT_MEAN_OUTPUT = 128.0, 128.0
 RUN_DESIGNS = ((1.0, 0.5), (2.0, 0.8), (0.5, 1.5), (3.0, 0.6), (1.0, 1.1), (2.0, 1.6), (0.5, 0.3), (3.0, 1.3),
                (1.5, 0.9), (4.0, 0.4), (1.0, 0.75), (2.0, 1.2))
 SETTLE_S = 3.0  # after a run: the cancelled requests leave, the server goes idle
+# A run's window should be this many times a request's time alone (the mean lengths): "starved" compares the
+# tokens completed in the window with those an idle server could complete, and a batched request in flight at
+# the end, slower than alone, counts against the ratio. On a CPU testbed ~3x slower than usual (a request 2.8 s
+# alone) 27 s windows read ratios 0.74-0.79 at 0.5 x capacity with nothing waiting (docs/testbed.md).
+WINDOW_PER_SOLO = 15.0
+MIN_WINDOW_S, MAX_WINDOW_S = 15.0, 120.0
 
 
 def read_adapters(path: str | Path) -> list[tuple[str, int, str | None]]:
@@ -252,6 +258,21 @@ def idle_service(mdir: Path | Store, budget_tokens: int) -> Callable[[int, int],
     return solo
 
 
+def short_window_note(window_s: float, solo_s: float, n_runs: int) -> str | None:
+    """One line when the runs' windows are short against a request's time alone on the server (``solo_s``, the
+    mean lengths): their "starved" labels then read low; it names the ``--budget-min`` that would do."""
+    if not (solo_s > 0) or window_s >= WINDOW_PER_SOLO * solo_s:
+        return None
+    want_s = WINDOW_PER_SOLO * solo_s
+    head = (f"runs: note: a request of the mean lengths takes {solo_s:.1f} s alone on this server, so "
+            f"{window_s:.0f} s windows are short ({WINDOW_PER_SOLO:g}x that is {want_s:.0f} s): the requests in "
+            f"flight at a window's end lower its throughput ratio and can mark a light run starved; ")
+    if want_s > MAX_WINDOW_S:
+        return head + f"windows stop at {MAX_WINDOW_S:.0f} s, so read the runs' starved labels with care"
+    need_min = (want_s + SETTLE_S) * n_runs / SHARES["runs"] / 60.0
+    return head + f"--budget-min {math.ceil(need_min)} --runs {n_runs} would give windows that long"
+
+
 def run_designs(ctx: ex.Context, n_runs: int) -> list[tuple[int, float]]:
     a = ctx.identity.max_loras
     n_avail = len(ctx.adapters)
@@ -436,7 +457,11 @@ def _runs(ctx: ex.Context, store: Store, seconds: float, n_runs: int | None, mea
     ident = ctx.identity
     if n_runs is None:
         n_runs = int(np.clip(seconds // 75, 3, len(RUN_DESIGNS)))
-    window = float(np.clip(seconds / n_runs - SETTLE_S, 15.0, 120.0))
+    window = float(np.clip(seconds / n_runs - SETTLE_S, MIN_WINDOW_S, MAX_WINDOW_S))
+    solo = idle_service(store, ident.max_num_batched_tokens)
+    note = short_window_note(window, solo(round(mean_in), round(mean_out)), n_runs)
+    if note:
+        say(note)
     designs = run_designs(ctx, n_runs)
     done_rows = read_rows(store.out, "runs.csv", required=False)
     state = store.meta.setdefault("runs_progress", {"done": 0})
