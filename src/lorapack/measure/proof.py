@@ -123,12 +123,12 @@ def predict_run(profile, run: RunSpec, arrivals, identity, time_scale: float = 1
         for a, tf, tfin, ts in zip(arrivals, res.t_first_s, res.t_finish_s, res.t_sent_s, strict=True):
             if np.isfinite(tfin) and tfin <= run.window_s:
                 by.setdefault(a.adapter_id, []).append(1000.0 * (tf - ts))
-    k = time_scale  # the metrics are in the twin's (stretched) time
-    front = (profile.frontend.ttft_overhead_ms if profile.frontend is not None else 0.0) * k
-    return {"throughput_tok_s": metrics.throughput_tok_s / k, "ttft_mean_ms": metrics.ttft_mean_ms * k,
+    scale = time_scale  # the metrics are in the twin's (stretched) time; res's times are the server's already
+    front = (profile.frontend.ttft_overhead_ms if profile.frontend is not None else 0.0) * scale
+    return {"throughput_tok_s": metrics.throughput_tok_s / scale, "ttft_mean_ms": metrics.ttft_mean_ms * scale,
             "starved": bool(metrics.starved), "throughput_ratio": metrics.throughput_ratio,
-            "finishable_tok_s": metrics.finishable_tok_s / k, "itl_mean_ms": metrics.itl_mean_ms * k,
-            "adapter_ttft_ms": {k: float(np.mean(v)) + front for k, v in by.items()}}
+            "finishable_tok_s": metrics.finishable_tok_s / scale, "itl_mean_ms": metrics.itl_mean_ms * scale,
+            "adapter_ttft_ms": {a: float(np.mean(v)) + front for a, v in by.items()}}
 
 
 def spearman(a: dict[str, float], b: dict[str, float]) -> float:
