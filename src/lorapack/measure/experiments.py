@@ -100,6 +100,14 @@ def _loop(ctx: Context, adapters: Sequence[str | None], concurrency: int, per_wo
     return res, after.steps - before.steps, after.step_tokens - before.step_tokens
 
 
+def base_itl_ms(ctx: Context, concurrency: int, per_worker: int, prompt: int, output: int) -> float:
+    """Mean inter-token interval (ms) of one closed-loop point on the base model: ``concurrency`` workers,
+    ``per_worker`` requests each (a decode-ladder point; ``proof.server_pace``)."""
+    res, _, _ = _loop(ctx, [None], concurrency, per_worker, prompt, output, f"base-model point, concurrency "
+                      f"{concurrency}")
+    return _itl(res.records)
+
+
 def warm_up(ctx: Context) -> None:
     """A few requests to the base model: first-request costs out of the way before anything is timed."""
     _loop(ctx, [None], 1, 3, 16, 32, "warm-up")

@@ -94,15 +94,14 @@ def server_pace(ctx, mdir: Path) -> float:
     A GPU keeps its pace; a shared CPU does not: on 2026-11-29 the same testbed server, minutes apart, ran the
     same held-back run at 595 and at 818-844 tok/s (docs/testbed.md). ``predict_run(..., time_scale=pace)`` then
     compares the profile's shape, not the machine's drift since it was measured."""
-    from .experiments import _itl, _loop
+    from .experiments import base_itl_ms
     from .fit import fit_decode, read_rows
 
     c0, c1, a3, _ = fit_decode(read_rows(Path(mdir), "decode.csv"))
     b, prompt, output = PACE_PROBE
     b = min(b, ctx.concurrency_cap())
-    res, _, _ = _loop(ctx, [None], b, 2, prompt, output, "pace probe")
     then_ms = c0 + c1 * b + a3 * b * (prompt + output / 2.0) / 1000.0
-    return _itl(res.records) / then_ms
+    return base_itl_ms(ctx, b, 2, prompt, output) / then_ms
 
 
 def predict_run(profile, run: RunSpec, arrivals, identity, time_scale: float = 1.0) -> dict:
