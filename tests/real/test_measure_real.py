@@ -1,7 +1,7 @@
 """``lorapack measure`` -> ``calibrate`` -> predict on the testbed, the CI smoke version of
 ``bench/testbed_fidelity.py``: ``measure --launch --budget-min 3`` with a two-point start-up grid (killed with
 SIGKILL half-way and resumed), calibrate the measurement, then three held-back runs (light, near capacity,
-starving) replayed on another server and predicted."""
+starving) replayed on another server and predicted at that server's pace of the moment (``server_pace``)."""
 
 from __future__ import annotations
 
