@@ -97,6 +97,11 @@ def fit_decode(rows: list[dict]) -> tuple[float, float, float, dict]:
                         **fit_stats(y, x @ coef)}
 
 
+def decode_itl_ms(c0: float, c1: float, a3: float, concurrency: float, context_tokens: float) -> float:
+    """The decode fit's inter-token interval (ms) at ``concurrency`` requests of ``context_tokens`` each."""
+    return c0 + c1 * concurrency + a3 * concurrency * context_tokens / 1000.0
+
+
 def fit_prefill(rows: list[dict], c0: float, c1: float) -> tuple[float, dict]:
     p, ch, t = _f(rows, "prompt_tokens"), _f(rows, "chunks"), _f(rows, "ttft_ms")
     ok = np.isfinite(p) & np.isfinite(t) & np.isfinite(ch)

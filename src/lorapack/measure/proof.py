@@ -95,12 +95,12 @@ def server_pace(ctx, mdir: Path) -> float:
     same held-back run at 595 and at 818-844 tok/s (docs/testbed.md). ``predict_run(..., time_scale=pace)`` then
     compares the profile's shape, not the machine's drift since it was measured."""
     from .experiments import base_itl_ms
-    from .fit import fit_decode, read_rows
+    from .fit import decode_itl_ms, fit_decode, read_rows
 
     c0, c1, a3, _ = fit_decode(read_rows(Path(mdir), "decode.csv"))
     b, prompt, output = PACE_PROBE
     b = min(b, ctx.concurrency_cap())
-    then_ms = c0 + c1 * b + a3 * b * (prompt + output / 2.0) / 1000.0
+    then_ms = decode_itl_ms(c0, c1, a3, b, prompt + output / 2.0)
     return base_itl_ms(ctx, b, 2, prompt, output) / then_ms
 
 

@@ -24,7 +24,16 @@ import numpy as np
 from .. import __version__
 from ..checks import check_input_file, check_output_dir, write_text_atomic
 from . import experiments as ex
-from .fit import FORMAT, MEASURE_JSON, fit_decode, fit_lora, fit_prefill, model_label, read_rows
+from .fit import (
+    FORMAT,
+    MEASURE_JSON,
+    decode_itl_ms,
+    fit_decode,
+    fit_lora,
+    fit_prefill,
+    model_label,
+    read_rows,
+)
 from .probe import (
     Http,
     Identity,
@@ -239,7 +248,7 @@ def capacity_rps(ctx: ex.Context, store: Store, n_adapters: int, mean_in: float,
     (e0, e1, e2), _ = fit_lora(read_rows(store.out, "lora.csv"))
     b = ctx.concurrency_cap()
     lora = min(n_adapters, ctx.identity.max_loras)
-    step = c0 + c1 * b + a3 * b * (mean_in + mean_out / 2) / 1000.0 + e0 + e1 * b + e2 * lora
+    step = decode_itl_ms(c0, c1, a3, b, mean_in + mean_out / 2) + e0 + e1 * b + e2 * lora
     per_request_ms = mean_out * step / b + mean_in * (p1 + e1)
     return 1000.0 / per_request_ms
 
@@ -261,9 +270,9 @@ def idle_service(mdir: Path | Store, budget_tokens: int) -> Callable[[int, int],
 def short_window_note(window_s: float, solo_s: float, n_runs: int) -> str | None:
     """One line when the runs' windows are short against a request's time alone on the server (``solo_s``, the
     mean lengths): their "starved" labels then read low; it names the ``--budget-min`` that would do."""
-    if not (solo_s > 0) or window_s >= WINDOW_PER_SOLO * solo_s:
-        return None
     want_s = WINDOW_PER_SOLO * solo_s
+    if not (solo_s > 0) or window_s >= want_s:
+        return None
     head = (f"runs: note: a request of the mean lengths takes {solo_s:.1f} s alone on this server, so "
             f"{window_s:.0f} s windows are short ({WINDOW_PER_SOLO:g}x that is {want_s:.0f} s): the requests in "
             f"flight at a window's end lower its throughput ratio and can mark a light run starved; ")

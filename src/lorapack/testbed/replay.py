@@ -308,7 +308,9 @@ def twin_replay(profile, adapter_ids: Sequence[str], ranks: Sequence[int], arriv
 
     ``time_scale``: the twin runs ``time_scale`` times slower than the profile says (every duration of the
     simulation -- steps, adapter loads -- stretched alike): the arrivals are divided by it, the result's times
-    multiplied back. ``pace_to_server`` picks it so that the twin keeps a server's pace."""
+    multiplied back; the metrics stay in the twin's stretched time (rates ÷ ``time_scale``, durations ×
+    ``time_scale`` give the server's: ``measure.proof.predict_run``). ``pace_to_server`` picks it so that the twin
+    keeps a server's pace."""
     import dataclasses
 
     from lorapack.twin.run import simulate_requests
