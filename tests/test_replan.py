@@ -723,3 +723,45 @@ def test_newcomers_keep_away_from_a_gpu_near_its_starvation_border(tmp_path) -> 
     plan = run_place(instance([*rates, 0.1], ids=[*ids, "fresh"]), LLAMA, previous=d0, **kw)
     assert not plan.infeasible and plan.replan["moves"]["total"] == 1
     assert _placed(plan)["fresh"] == [1]  # beside the hot adapter (9.8 req/s), not the three cold ones (0.3)
+
+
+def _previous_plan(tmp: Path, gpus: list[list[tuple[str, float]]]) -> Path:
+    """A plan.json of these GPUs ((adapter, planned rate) lists, rank 8, every adapter resident)."""
+    from lorapack.placement import GpuPlan
+
+    plan = Plan("proposed", LLAMA.model, LLAMA.gpu, [
+        GpuPlan(adapters=[a for a, _ in g], weights=[1.0] * len(g), ranks=[8] * len(g),
+                rates_rps=[r for _, r in g], server=ServerConfig(max_loras=len(g), max_lora_rank=8)) for g in gpus])
+    d = tmp / "previous"
+    write_outputs(plan, d)
+    return d
+
+
+def test_a_failed_verification_is_answered_by_the_fewest_moves_onto_running_gpus(tmp_path, monkeypatch) -> None:
+    """Two GPUs the method's oracle passes and the twin fails (9.5 req/s against 9): repair alone cuts an adapter
+    off each and, the pair fitting on no single running GPU, opens a fifth GPU; the balance instead moves adapters
+    onto the two light GPUs (``verification`` moves, within the from-scratch plan's heaviest GPU), and the four
+    GPUs pass."""
+    import lorapack.replan.replan as rp
+    from placement_helpers import ToyOracle
+
+    gpus = [[(f"a{i:03d}", 1.9) for i in range(0, 5)], [(f"a{i:03d}", 1.9) for i in range(5, 10)],
+            [(f"a{i:03d}", 2.0) for i in range(10, 13)], [("a013", 2.0), ("a014", 2.0), ("a015", 2.2)]]
+    d0 = _previous_plan(tmp_path, gpus)
+    ids = [a for g in gpus for a, _ in g]
+    rates = [r for g in gpus for _, r in g]
+    strict = ToyOracle(9.0)
+    kw = {**toy_kwargs(CAP), "verify_oracle": strict, "search_oracle": strict}
+    plan = run_place(instance(rates, ids=ids), LLAMA, previous=d0, verify=True, **kw)
+    assert not plan.infeasible, plan.reason
+    r = plan.replan
+    assert r["verification_balance"] == "balanced" and plan.verification["passed"]
+    assert plan.gpus_used == 4
+    assert r["moves"]["total"] == r["moves"]["verification"] <= 6
+    assert {0, 1} <= {c["gpu"] for c in r["changes"] if c["op"] == "unload"}
+    scratch_max = max(sum(g.rates_rps) for g in run_place(instance(rates, ids=ids), LLAMA, verify=True, **kw).gpus)
+    assert all(x <= scratch_max + 1e-9 for x in _gpu_rates(plan))
+
+    monkeypatch.setattr(rp.Caps, "of", classmethod(lambda cls, scratch: None))  # repair alone
+    alone = run_place(instance(rates, ids=ids), LLAMA, previous=d0, verify=True, **kw)
+    assert alone.gpus_used == 5 and "verification_balance" not in alone.replan

@@ -19,10 +19,14 @@ settings for the pool methods) the same TEST the greedy asks:
 4. optional moves: while the plan has more GPUs than a from-scratch plan of the same method for the same rates,
    the GPU cheapest to empty (two moves per adapter it hosts) is emptied onto the others, if all of its adapters
    find a home as in step 3 (failing that, with hosts that may restart with another ``--max-loras``) and the
-   optional moves stay within ``--max-moves``; when no GPU empties alone, the adapters of two or three of the
-   least loaded GPUs are placed again by the greedy driver, if that needs one GPU fewer (``_repack``);
-5. verification (``--verify``): the twin verifies every GPU and repairs the failing ones (``verify.repair``);
-   the moves it makes are always made (``verification`` moves), bouncing or not.
+   optional moves stay within ``--max-moves``; when no GPU empties alone, the fewest moves onto one GPU fewer
+   with no GPU heavier than the from-scratch plan's heaviest (``_balance``, scipy's MILP), else the adapters of
+   two or three of the least loaded GPUs placed again by the greedy driver, if that needs one GPU fewer
+   (``_repack``);
+5. verification (``--verify``): the twin verifies every GPU; when some fail, first the fewest moves that take
+   load off the failing GPUs onto the running ones (``_balance_verified``, judged by the twin), else repair
+   (``verify.repair``), which cuts adapters off the failing GPUs and may open new ones; these moves are always
+   made (``verification`` moves), bouncing or not.
 
 A GPU whose adapters' rates did not rise and which gained no adapter is not re-tested in step 2: it passed for
 heavier or equal rates (the oracle's and the twin's answers are taken as monotone in the load); verification,
@@ -446,10 +450,12 @@ def _place_homeless(st: _State, homeless: list[int], pool: int | None) -> None:
     _open_gpus(st, left, pool)
 
 
-def _consolidate(st: _State, target: int | None, budget: float) -> int:
+def _consolidate(st: _State, target: int | None, budget: float, caps: Caps | None = None) -> int:
     """Step 4: empty the GPUs cheapest to empty while the plan has more GPUs than ``target`` and the optional
     moves fit in ``budget``; when no GPU empties onto the others as they run, once more letting the hosts
-    restart with another ``--max-loras`` (a GPU saved for a restart). Returns the optional moves made."""
+    restart with another ``--max-loras`` (a GPU saved for a restart); then the fewest moves onto one GPU fewer
+    with no GPU beyond ``caps`` nor beyond its present load (``_balance``); then a repack of a few GPUs.
+    Returns the optional moves made."""
     spent = 0
     if target is None:
         return 0
@@ -482,7 +488,13 @@ def _consolidate(st: _State, target: int | None, budget: float) -> int:
         if g_done is not None:
             spent += price[g_done]
             continue
-        paid = _repack(st, budget - spent)
+        used = sum(1 for gpu in st.gpus if gpu.entries)
+        paid = None
+        if caps is not None and affordable:  # one GPU fewer empties one GPU: at least its price in moves
+            load_cap, n_cap = _caps_for(st, caps)
+            paid = _balance(st, used - 1, load_cap, n_cap, budget - spent, "optional")
+        if paid is None:
+            paid = _repack(st, budget - spent)
         if paid is None:
             break
         spent += paid
@@ -544,6 +556,179 @@ def _repack(st: _State, budget: float) -> int | None:
     return None
 
 
+# step 4's balance: the MILP's time limit (HiGHS), and how the caps tighten when the TEST rejects its assignment
+BALANCE_TIME_S = 0.5  # s: HiGHS returns its best assignment so far
+BALANCE_TRIES = 2
+BALANCE_SHRINK = 0.97
+
+
+@dataclass(frozen=True)
+class Caps:
+    """What the heaviest GPU of the from-scratch plan for the same rates carries, after its verification: planned
+    load (req/s, headroom included) and adapters. Its GPUs pass carrying that much, so a re-plan whose GPUs stay
+    within both is no more loaded than GPUs known to pass (docs/replan.md, "The balance")."""
+
+    load_rps: float
+    adapters: int
+
+    @classmethod
+    def of(cls, scratch: Plan) -> Caps | None:
+        used = [g for g in scratch.gpus if g.adapters and g.rates_rps]
+        if scratch.infeasible or not used:
+            return None
+        return cls(load_rps=max(float(sum(g.rates_rps)) for g in used), adapters=max(len(g.adapters) for g in used))
+
+
+def _moves(st: _State, where: dict[int, int]) -> int:
+    """Loads and unloads from the previous plan of an assignment entry -> GPU (two per entry away from home)."""
+    return 2 * sum(1 for e, g in where.items() if e in st.home and st.home[e] != g)
+
+
+def _balance(st: _State, gpus: int, load_cap: dict[int, float], n_cap: int, budget: float, reason: str
+             ) -> int | None:
+    """The entries on at most ``gpus`` of the running GPUs with the fewest moves such that each GPU ``g`` kept
+    carries at most ``load_cap[g]`` req/s and ``n_cap`` adapters (scipy's MILP, HiGHS): ``x[e, g]`` = entry ``e``
+    on GPU ``g`` (only where it may go without a restart and without bouncing, or where it is now), ``y[g]`` =
+    GPU ``g`` kept; the moves beyond the present ones within ``budget``. The TEST then picks each changed GPU's
+    ``--max-loras``; when it rejects one, the load caps tighten by ``BALANCE_SHRINK`` (``BALANCE_TRIES`` times at
+    most). Applied only when the TEST passes every GPU; entries that leave their previous GPU are moves of
+    ``reason``. Returns the moves it added (0 or more), None when no assignment within the caps was found."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_array
+
+    used = [g for g, gpu in enumerate(st.gpus) if gpu.entries]
+    cur = {e: g for g in used for e in st.gpus[g].entries}
+    entries = sorted(cur)
+    rank = {e: default_slot_rank(int(st.inst.ranks[e])) for e in entries}
+    pairs = [(e, g) for e in entries for g in used
+             if g == cur[e] or (g not in st.forbidden.get(e, ()) and
+                                (st.gpus[g].server is None or rank[e] <= st.rank_cap(g)))]
+    n_x, n_y = len(pairs), len(used)
+    away = np.array([2.0 if e in st.home and st.home[e] != g else 0.0 for e, g in pairs])
+    # two moves away from home; a hair more for leaving where it is now (the fewest changes among equals)
+    cost = np.concatenate([away + np.array([1e-3 if g != cur[e] else 0.0 for e, g in pairs]), np.zeros(n_y)])
+    before = _moves(st, cur)
+    row_of = {e: k for k, e in enumerate(entries)}
+    gpu_of = {g: k for k, g in enumerate(used)}
+    rates = st.inst.rates_rps
+    # rows: each entry on one GPU; per GPU its load and its adapters (minus the caps times y); the GPUs kept;
+    # the moves within the budget
+    r0, r1 = len(entries), len(entries) + 2 * n_y
+    rows = [row_of[e] for e, _g in pairs] + [r0 + 2 * gpu_of[g] for _e, g in pairs] + \
+        [r0 + 2 * gpu_of[g] + 1 for _e, g in pairs] + [r0 + 2 * k for k in range(n_y)] + \
+        [r0 + 2 * k + 1 for k in range(n_y)] + [r1] * n_y
+    cols = [*range(n_x), *range(n_x), *range(n_x), *range(n_x, n_x + n_y), *range(n_x, n_x + n_y),
+            *range(n_x, n_x + n_y)]
+    lo = [1.0] * len(entries) + [-np.inf] * (2 * n_y) + [-np.inf]
+    hi = [1.0] * len(entries) + [0.0] * (2 * n_y) + [float(gpus)]
+    if math.isfinite(budget):
+        rows += [r1 + 1] * n_x
+        cols += list(range(n_x))
+        lo.append(-np.inf)
+        hi.append(before + budget)
+    scale = 1.0
+    for _ in range(BALANCE_TRIES):
+        vals = [1.0] * n_x + [float(rates[e]) for e, _g in pairs] + [1.0] * n_x + \
+            [-load_cap[g] * scale for g in used] + [-float(n_cap)] * n_y + [1.0] * n_y
+        if math.isfinite(budget):
+            vals += away.tolist()
+        a = coo_array((vals, (rows, cols)), shape=(len(hi), n_x + n_y)).tocsr()
+        constraints = LinearConstraint(a, lo, hi)
+        # the LP relaxation first: it proves most hopeless cases (a budget too small) in milliseconds, where the
+        # MILP would search up to its time limit
+        if milp(cost, constraints=constraints, bounds=Bounds(0, 1)).x is None:
+            return None
+        res = milp(cost, constraints=constraints, integrality=np.ones(n_x + n_y), bounds=Bounds(0, 1),
+                   options={"time_limit": BALANCE_TIME_S})
+        if res.x is None:
+            return None
+        where = {e: g for (e, g), v in zip(pairs, res.x[:n_x], strict=True) if v > 0.5}
+        if len(where) != len(entries):
+            return None
+        # registration order: the entries that stay first, in their order; the arrivals after them, hottest first
+        new = {g: [e for e in st.gpus[g].entries if where[e] == g] for g in used}
+        for e in sorted(entries, key=lambda x: (-rates[x], st.inst.adapter_ids[x])):
+            if where[e] != cur[e]:
+                new[where[e]].append(e)
+        changed = [g for g in used if new[g] != st.gpus[g].entries and new[g]]
+        slots = st.settle([(new[g], st.gpus[g].max_loras) for g in changed])
+        if all(x is not None for x in slots):
+            for g in used:
+                st.gpus[g].entries = new[g]
+            for g, x in zip(changed, slots, strict=True):
+                st.gpus[g].max_loras = int(x)  # type: ignore[arg-type]
+            for e in entries:
+                if where[e] != cur[e] and st.home.get(e) == cur[e]:
+                    st.why.setdefault(e, reason)
+                    st.forbidden.setdefault(e, set()).add(cur[e])
+            return max(0, _moves(st, where) - before)
+        scale *= BALANCE_SHRINK
+    return None
+
+
+def _caps_for(st: _State, caps: Caps) -> tuple[dict[int, float], int]:
+    """Per running GPU the load cap of ``caps``, or its present load when higher (a GPU the TEST passed as it
+    is may stay so); the adapter cap: ``caps``' or the most any running GPU holds now, the larger."""
+    used = [g for g, gpu in enumerate(st.gpus) if gpu.entries]
+    return ({g: max(caps.load_rps, st.load(g)) for g in used},
+            max([caps.adapters, *(len(st.gpus[g].entries) for g in used)]))
+
+
+# the balance that answers a failed verification: a failing GPU's load cap, as a share of its load
+VERIFY_BALANCE_SHARE = 0.985
+VERIFY_BALANCE_ROUNDS = 4
+
+
+def _balance_verified(st: _State, caps: Caps, verify: Callable[[list[int]], list[bool]]) -> str:
+    """Step 5 before repair: when the twin fails some GPUs, the fewest moves that bring each failing GPU's load
+    under ``VERIFY_BALANCE_SHARE`` of its present load on the GPUs running now (``_balance``; the others within
+    ``_caps_for`` or the heaviest GPU that passed so far, the larger; adapters within ``_caps_for``), judged by
+    ``verify`` (the GPUs -> passed); again with the GPUs that still fail, or fail now (``VERIFY_BALANCE_ROUNDS``
+    rounds at most): the twin's verdict near a GPU's limit moves with its adapters' mix, so a few rounds find
+    an arrangement that passes where one cut would not. Kept when every GPU passes; otherwise ``st`` is as before
+    and repair takes over. The moves are ``verification`` moves (needed to pass verification). Returns what
+    happened: ``passed`` (nothing to balance), ``balanced``, ``repaired`` (left to repair)."""
+    saved = ([(list(gpu.entries), gpu.max_loras) for gpu in st.gpus], dict(st.why),
+             {e: set(f) for e, f in st.forbidden.items()})
+    used = [g for g, gpu in enumerate(st.gpus) if gpu.entries]
+    ok = dict(zip(used, verify(used), strict=True))
+    if all(ok.values()):
+        return "passed"
+    cap, n_cap = _caps_for(st, caps)
+    passing, failed = 0.0, set()
+    for _ in range(VERIFY_BALANCE_ROUNDS):
+        # a GPU that never failed may carry what the heaviest GPU that passed carries (the twin's word, not only
+        # the from-scratch plan's); one that failed gets less than it had, each time it fails
+        passing = max([passing, *(st.load(g) for g, passed in ok.items() if passed)])
+        failed |= {g for g, passed in ok.items() if not passed}
+        for g, passed in ok.items():
+            cap[g] = min(cap[g], VERIFY_BALANCE_SHARE * st.load(g)) if not passed else \
+                cap[g] if g in failed else max(cap[g], passing)
+        before = [list(gpu.entries) for gpu in st.gpus]
+        if _balance(st, len(used), cap, n_cap, math.inf, "verification") is None:
+            break
+        used = [g for g, gpu in enumerate(st.gpus) if gpu.entries]
+        changed = [g for g in used if st.gpus[g].entries != before[g]]
+        ok.update(zip(changed, verify(changed), strict=True))
+        ok = {g: ok[g] for g in used}
+        if all(ok.values()):
+            return "balanced"
+    for gpu, (entries, a) in zip(st.gpus, saved[0], strict=True):
+        gpu.entries, gpu.max_loras = entries, a
+    st.why, st.forbidden = saved[1], saved[2]
+    return "repaired"
+
+
+def _fill(gpu: _Gpu) -> GpuFill:
+    return GpuFill(entries=list(gpu.entries), max_loras=max(1, min(gpu.max_loras, len(gpu.entries))))
+
+
+def _fills(st: _State) -> tuple[list[GpuFill], list[int]]:
+    """The running GPUs as the verifier takes them, and their indices."""
+    index = [g for g, gpu in enumerate(st.gpus) if gpu.entries]
+    return [_fill(st.gpus[g]) for g in index], index
+
+
 def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Previous, overrides=None,
            progress: Progress | None = None) -> Plan:
     """``place()`` with ``config.previous``: the module docstring's steps; the plan's ``replan`` says what moved
@@ -593,28 +778,34 @@ def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Prev
         _place_homeless(st, homeless, config.gpus)
         target = None if scratch.infeasible else scratch.gpus_used
         budget = math.inf if config.max_moves is None else float(config.max_moves)
-        optional = _consolidate(st, target, budget)
+        optional = _consolidate(st, target, budget, Caps.of(scratch))
     except Infeasible as e:
         return _infeasible(scratch, config, previous, str(e))
     placement_ms = (time.perf_counter() - t0) * 1e3
 
-    fills, index = [], []
-    for g, gpu in enumerate(st.gpus):
-        if gpu.entries:
-            fills.append(GpuFill(entries=list(gpu.entries), max_loras=max(1, min(gpu.max_loras, len(gpu.entries)))))
-            index.append(g)
-    before = {g: list(st.gpus[g].entries) for g in index}
+    fills, index = _fills(st)
     verdicts = None
     verification: dict = {}
     verification_ms = math.nan
+    balance = None
     if config.verify:
         from ..placement.api import verification_dict
-        from ..placement.verify import Judges, repair
+        from ..placement.verify import Judges, repair, verify_fills
 
         t1 = time.perf_counter()
         say(f"verifying {len(fills)} GPUs")
         verifier = ctx.verifier(config.verify_seeds)
         counts = (getattr(verifier, "n_simulations", 0), getattr(verifier, "cache_hits", 0))
+        caps = Caps.of(scratch)
+        if caps is not None:
+            def verify(gs: list[int]) -> list[bool]:
+                return [v.passed for v in verify_fills(inst, profile, [_fill(st.gpus[g]) for g in gs],
+                                                       config.objective, verifier)]
+
+            balance = _balance_verified(st, caps, verify)
+            fills, index = _fills(st)
+    before = {g: list(st.gpus[g].entries) for g in index}
+    if config.verify:
         try:
             fills, verdicts, log = repair(inst, profile, fills, config.objective, Judges(verifier, ctx.twin()),
                                           pool=config.gpus, options=ctx.options)
@@ -655,6 +846,8 @@ def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Prev
     plan.settings.update(previous=previous.path, max_moves=config.max_moves)
     plan.replan = _report(plan, scratch, previous, st, optional)
     plan.replan["failing_before"] = failing  # the previous plan's GPUs that fail under the new rates
+    if balance is not None:  # verification's first answer: passed, balanced (_balance_verified) or repaired
+        plan.replan["verification_balance"] = balance
     by_gpu = dict(zip(index, fills, strict=True))
     verifier = ctx.verifier(config.verify_seeds) if config.verify else None
     plan.replan["restart_hosts"] = _restart_hosts(st, plan, by_gpu, plan.replan["restarts"], verifier)
