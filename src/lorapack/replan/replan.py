@@ -228,6 +228,21 @@ class _State:
     def load(self, g: int) -> float:
         return float(self.inst.rates_rps[self.gpus[g].entries].sum()) if self.gpus[g].entries else 0.0
 
+    def used(self) -> list[int]:
+        """The running GPUs (with adapters), by index."""
+        return [g for g, gpu in enumerate(self.gpus) if gpu.entries]
+
+    def snapshot(self) -> tuple:
+        """Every GPU's entries and ``--max-loras``, and the moves' reasons and bars: what ``restore`` puts back
+        when a tried change is not taken."""
+        return ([(list(gpu.entries), gpu.max_loras) for gpu in self.gpus], dict(self.why),
+                {e: set(f) for e, f in self.forbidden.items()})
+
+    def restore(self, snap: tuple) -> None:
+        for gpu, (entries, a) in zip(self.gpus, snap[0], strict=True):
+            gpu.entries, gpu.max_loras = entries, a
+        self.why, self.forbidden = dict(snap[1]), {e: set(f) for e, f in snap[2].items()}
+
     def rank_cap(self, g: int) -> int:
         srv = self.gpus[g].server
         return int(srv.max_lora_rank) if srv is not None and srv.max_lora_rank is not None else 0
@@ -464,14 +479,13 @@ def _consolidate(st: _State, target: int | None, budget: float, caps: Caps | Non
         return 2 * sum(1 for e in st.gpus[g].entries if st.home.get(e) == g)
 
     def empty(g: int, restart: bool) -> bool:
-        saved = [(list(gpu.entries), gpu.max_loras) for gpu in st.gpus]
+        saved = st.snapshot()
         moving = sorted(st.gpus[g].entries, key=lambda x: (-st.inst.rates_rps[x], st.inst.adapter_ids[x]))
         st.gpus[g].entries = []
         for e in moving:
             home = st.find_home(e, {g}, restart=restart)
             if home is None:
-                for gpu, (entries, a) in zip(st.gpus, saved, strict=True):
-                    gpu.entries, gpu.max_loras = entries, a
+                st.restore(saved)
                 return False
             st.put(e, home)
         for e in moving:
@@ -488,7 +502,7 @@ def _consolidate(st: _State, target: int | None, budget: float, caps: Caps | Non
         if g_done is not None:
             spent += price[g_done]
             continue
-        used = sum(1 for gpu in st.gpus if gpu.entries)
+        used = len(st.used())
         paid = None
         if caps is not None and affordable:  # one GPU fewer empties one GPU: at least its price in moves
             load_cap, n_cap = _caps_for(st, caps)
@@ -596,7 +610,7 @@ def _balance(st: _State, gpus: int, load_cap: dict[int, float], n_cap: int, budg
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
 
-    used = [g for g, gpu in enumerate(st.gpus) if gpu.entries]
+    used = st.used()
     cur = {e: g for g in used for e in st.gpus[g].entries}
     entries = sorted(cur)
     rank = {e: default_slot_rank(int(st.inst.ranks[e])) for e in entries}
@@ -669,7 +683,7 @@ def _balance(st: _State, gpus: int, load_cap: dict[int, float], n_cap: int, budg
 def _caps_for(st: _State, caps: Caps) -> tuple[dict[int, float], int]:
     """Per running GPU the load cap of ``caps``, or its present load when higher (a GPU the TEST passed as it
     is may stay so); the adapter cap: ``caps``' or the most any running GPU holds now, the larger."""
-    used = [g for g, gpu in enumerate(st.gpus) if gpu.entries]
+    used = st.used()
     return ({g: max(caps.load_rps, st.load(g)) for g in used},
             max([caps.adapters, *(len(st.gpus[g].entries) for g in used)]))
 
@@ -688,9 +702,8 @@ def _balance_verified(st: _State, caps: Caps, verify: Callable[[list[int]], list
     an arrangement that passes where one cut would not. Kept when every GPU passes; otherwise ``st`` is as before
     and repair takes over. The moves are ``verification`` moves (needed to pass verification). Returns what
     happened: ``passed`` (nothing to balance), ``balanced``, ``repaired`` (left to repair)."""
-    saved = ([(list(gpu.entries), gpu.max_loras) for gpu in st.gpus], dict(st.why),
-             {e: set(f) for e, f in st.forbidden.items()})
-    used = [g for g, gpu in enumerate(st.gpus) if gpu.entries]
+    saved = st.snapshot()
+    used = st.used()
     ok = dict(zip(used, verify(used), strict=True))
     if all(ok.values()):
         return "passed"
@@ -707,15 +720,13 @@ def _balance_verified(st: _State, caps: Caps, verify: Callable[[list[int]], list
         before = [list(gpu.entries) for gpu in st.gpus]
         if _balance(st, len(used), cap, n_cap, math.inf, "verification") is None:
             break
-        used = [g for g, gpu in enumerate(st.gpus) if gpu.entries]
+        used = st.used()
         changed = [g for g in used if st.gpus[g].entries != before[g]]
         ok.update(zip(changed, verify(changed), strict=True))
         ok = {g: ok[g] for g in used}
         if all(ok.values()):
             return "balanced"
-    for gpu, (entries, a) in zip(st.gpus, saved[0], strict=True):
-        gpu.entries, gpu.max_loras = entries, a
-    st.why, st.forbidden = saved[1], saved[2]
+    st.restore(saved)
     return "repaired"
 
 
@@ -725,7 +736,7 @@ def _fill(gpu: _Gpu) -> GpuFill:
 
 def _fills(st: _State) -> tuple[list[GpuFill], list[int]]:
     """The running GPUs as the verifier takes them, and their indices."""
-    index = [g for g, gpu in enumerate(st.gpus) if gpu.entries]
+    index = st.used()
     return [_fill(st.gpus[g]) for g in index], index
 
 
