@@ -293,3 +293,31 @@ def test_each_target_trains_on_the_rows_that_carry_its_label() -> None:
     assert rows["itl"] == rows["ttft"] == ["full", "early_healthy_converged"]
     ok, y = ds.target("ttft")
     assert np.allclose(np.exp(y), 150.0)
+
+
+def test_the_smaller_family_ships_on_a_near_tie_and_the_better_one_otherwise() -> None:
+    """``train._ship``: within ``SHIP_TIE_SHARE`` of the best CV score the model with fewer tree nodes ships (the
+    shipped models are held to 25 MiB); a clear win ships whatever its size."""
+    from sklearn.ensemble import RandomForestRegressor
+    from sklearn.tree import DecisionTreeRegressor
+
+    from lorapack.surrogate.train import SHIP_TIE_SHARE, FamilyResult, _ship
+
+    rng = np.random.default_rng(0)
+    X = rng.random((400, len(FEATURE_NAMES)))
+    y = X[:, 0] + 0.1 * rng.random(400)
+    big = RandomForestRegressor(n_estimators=5, random_state=0).fit(X, y)
+    small = RandomForestRegressor(n_estimators=1, max_depth=3, random_state=0).fit(X, y)
+    assert isinstance(small.estimators_[0], DecisionTreeRegressor)
+
+    def results(cv_big: float, cv_small: float) -> list[FamilyResult]:
+        return [FamilyResult("rf", {}, cv_big, {}, 0.0, big), FamilyResult("hgb", {}, cv_small, {}, 0.0, small)]
+
+    near = 2.0 * (1 + SHIP_TIE_SHARE) - 1e-9
+    assert _ship("throughput", results(2.0, near), "identity")[0].family == "hgb"
+    assert _ship("throughput", results(2.0, 2.0 * (1 + 2 * SHIP_TIE_SHARE)), "identity")[0].family == "rf"
+    # macro-F1 (greater is better): the tie is measured on the gap to 1
+    assert _ship("starved", results(0.90, 0.90 - 0.1 * SHIP_TIE_SHARE + 1e-9), "identity")[0].family == "hgb"
+    assert _ship("starved", results(0.90, 0.80), "identity")[0].family == "rf"
+    with pytest.raises(SpecError, match="no exportable"):
+        _ship("itl", [], "exp")
