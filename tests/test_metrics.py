@@ -193,6 +193,25 @@ def test_adapter_starved_by_token_ratio_needs_min_requests() -> None:
     assert m.adapter_min_token_ratio == pytest.approx(1.0)  # only adapter 1 qualifies
 
 
+def test_a_long_request_still_streaming_at_the_end_does_not_starve_its_adapter() -> None:
+    """20 short requests done (0.1 s per token), then one of 5,000 output tokens sent 300 s before the end of a
+    420-s window with its first token out: at the run's pace it is due after the end, so it is in service, not
+    starving its adapter (alone it is 94 % of the adapter's tokens). The same request with 1,000 output tokens
+    was due at 220 s: stalled, it counts and starves the adapter."""
+    def case(o_long: int):
+        rows = [(0, 5, 11, float(i), float(i), i + 0.1, i + 1.1) for i in range(20)]
+        rows.append((0, 5, o_long, 120.0, 120.0, 120.5, NAN))
+        return _build(rows)
+
+    m = compute_metrics(*case(5000), 420.0, 1, adapter_min_requests=20)
+    assert m.itl_p99_ms == pytest.approx(100.0) and m.adapter_starved is False
+    m = compute_metrics(*case(1000), 420.0, 1, adapter_min_requests=20, adapter_max_wait_s=1e9)
+    assert m.adapter_starved is True and m.adapter_min_token_ratio < 0.9
+    # open longer than the wait limit starves it however it is served
+    assert compute_metrics(*case(5000), 420.0, 1, adapter_min_requests=20,
+                           adapter_max_wait_s=250.0).adapter_starved is True
+
+
 def test_adapter_ratio_at_0_9_is_not_starved() -> None:
     res, req = _adapter_case(20, 18, 0, None)
     m = compute_metrics(res, req, 1000.0, 2, adapter_min_requests=20, adapter_max_wait_s=1e9)

@@ -16,8 +16,9 @@
 * ``itl_median_ms``, ``itl_p99_ms``: percentiles of every inter-token gap that ended in the window (the engine's
   log-binned gap histogram, ``twin.gaps``; a gap across a stall or a preemption is one long gap, as the client
   sees it). Engines without a histogram give the p99 over completed requests of their mean gap instead;
-* per adapter: completed-token ratio over the requests sent ``adapter_grace_s`` before the end, and the age of
-  its oldest unfinished request (``adapter_starved``: ratio < 0.9 with >= 20 such requests, or age > 300 s);
+* per adapter: completed-token ratio over the requests sent ``adapter_grace_s`` before the end and not still
+  streaming at the end (first token out, the rest not yet due at the run's p99 inter-token gap), and the age of its oldest unfinished request (``adapter_starved``: ratio < 0.9 with
+  >= 20 such requests, or age > 300 s);
 * TTFT over completed requests, plus ``EngineResult.ttft_overhead_ms`` (the API server's share, a profile
   constant); penalised TTFT counts each unfinished request as the whole window.
 """
@@ -224,12 +225,21 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
         ttft_pen = float("nan")
 
     # per adapter: completed-token ratio and age of the oldest unfinished request at the end. The ratio counts
-    # requests sent at least ``adapter_grace_s`` before the end: one long request still in flight at the cut
-    # would otherwise flag a healthy adapter with few requests.
+    # requests sent at least ``adapter_grace_s`` before the end, and not the ones still streaming at the end:
+    # first token out and the rest of its output not yet due at the run's p99 inter-token gap. One long
+    # request in flight at the cut would otherwise flag a healthy adapter with few requests (1,420 output
+    # tokens at a 90-ms pace outlast the grace: docs/replan.md, "Unclean windows"). Requests that wait unserved
+    # count, and so do ones that started long ago and stalled; one open longer than ``adapter_max_wait_s``
+    # starves its adapter however it is served.
     ad = req.adapter
     tok = p + o
     cut = duration_s - adapter_grace_s if duration_s > 2 * adapter_grace_s else duration_s
-    ripe = could_finish & (req.t_arr_s < cut)
+    streaming = sent & ~done & np.isfinite(res.t_first_s) & (res.t_first_s <= duration_s)
+    if np.isfinite(itl_p99):
+        streaming &= res.t_first_s + (o - 1) * (itl_p99 / 1000.0) > duration_s
+    else:
+        streaming[:] = False
+    ripe = could_finish & (req.t_arr_s < cut) & ~streaming
     sent_tok = np.bincount(ad[ripe], weights=tok[ripe], minlength=n_adapters)
     done_tok = np.bincount(ad[ripe & done], weights=tok[ripe & done], minlength=n_adapters)
     sent_n = np.bincount(ad[ripe], minlength=n_adapters)
