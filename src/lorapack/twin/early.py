@@ -184,7 +184,9 @@ def adapter_labels_settled(res: EngineResult, req: RequestArrays, t_s: float, T:
     pace seen so far. The label (``twin.metrics``: completed-token ratio < 0.9 with >= 20 requests, or a
     request open for more than 300 s) must be "not starved" for every adapter in that worst case; in the
     best case (everything done at once) it is "not starved" anyway. As in ``compute_metrics``, the ratio
-    counts the requests sent ``ADAPTER_GRACE_S`` before the end."""
+    counts the requests sent ``ADAPTER_GRACE_S`` before the end; ``compute_metrics`` also leaves out the ones
+    still streaming at the end, which only raises a ratio (an unfinished request leaves the denominator), so
+    counting them here stays on the safe side."""
     done = np.isfinite(res.t_finish_s) & (res.t_finish_s <= t_s)
     if not done.any():
         return False
