@@ -765,3 +765,21 @@ def test_a_failed_verification_is_answered_by_the_fewest_moves_onto_running_gpus
     monkeypatch.setattr(rp.Caps, "of", classmethod(lambda cls, scratch: None))  # repair alone
     alone = run_place(instance(rates, ids=ids), LLAMA, previous=d0, verify=True, **kw)
     assert alone.gpus_used == 5 and "verification_balance" not in alone.replan
+
+
+def test_the_twin_confirms_a_hot_adapter_the_learned_model_fails_alone(tmp_path) -> None:
+    """A learned model that fails an adapter alone on an empty GPU (9 req/s against its 8) is checked by the twin
+    (10) before the re-plan gives up, as the from-scratch greedy does (``greedy_fill``'s ``confirm``): the
+    re-plan opens a GPU for it, where it declared the window infeasible (the drift study's 64 adapters x30,
+    window 4, 2026-11-29: an adapter of 27 req/s)."""
+    from placement_helpers import ToyOracle
+
+    class Learned(ToyOracle):
+        learned = True
+
+    model, twin = Learned(8.0), ToyOracle(10.0)
+    kw = {**toy_kwargs(10.0), "oracle": model, "search_oracle": twin, "verify_oracle": twin}
+    d0 = _previous_plan(tmp_path, [[("hot", 5.0), ("c", 1.0)], [("x", 1.0)]])
+    plan = run_place(instance([9.0, 1.0, 1.0], ids=["hot", "c", "x"]), LLAMA, previous=d0, verify=False, **kw)
+    assert not plan.infeasible, plan.reason
+    assert sorted(sorted(g.adapters) for g in plan.gpus if g.adapters) == [["c", "x"], ["hot"]]

@@ -221,6 +221,10 @@ class _State:
     why: dict[int, str] = field(default_factory=dict)  # entry -> why it left home (or arrived: "new")
     mem: MemoryRule | None = None
     calls: int = 0
+    # the twin, when ``oracle`` is a learned model: fills a new GPU on which the model commits nothing, as the
+    # from-scratch greedy does (``greedy_fill``'s ``confirm``): a model wrong about a hot adapter alone on a GPU
+    # must not make the re-plan infeasible where the from-scratch plan is not
+    confirm: Oracle | None = None
 
     def __post_init__(self) -> None:
         self.mem = MemoryRule(self.profile)
@@ -435,7 +439,8 @@ def _open_gpus(st: _State, homeless: list[int], pool: int | None) -> None:
         return
     ix = np.asarray(sorted(homeless), dtype=np.int64)
     sub = st.inst.subset(ix)
-    fills = greedy_fill(sub, st.profile, st.oracle, st.config.objective, options=_options(st.config))
+    fills = greedy_fill(sub, st.profile, st.oracle, st.config.objective, options=_options(st.config),
+                        confirm=st.confirm)
     for f in fills:
         entries = [int(ix[i]) for i in f.entries]
         a = max(1, min(int(f.max_loras), len(entries)))
@@ -799,6 +804,7 @@ def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Prev
     oracle = ctx.oracle_of(method.oracle) if method.greedy and method.oracle else ctx.twin()
     inst = _carry_splits(inst, prev)
     st = _initial_state(inst, profile, oracle, config, previous)
+    st.confirm = ctx.twin() if getattr(oracle, "learned", False) else None
 
     say("re-testing the GPUs whose load rose")
     changed = [g for g, gpu in enumerate(st.gpus) if gpu.entries and _risen(st, prev, g)]
