@@ -610,7 +610,7 @@ BALANCE_MOVABLE_PER_MOVE = 1
 
 def _movable(st: _State, used: Sequence[int], gpus: int, budget: float) -> set[int]:
     """The entries ``_balance`` may move: all of them when the budget is unbounded; otherwise the entries away
-    from home (moving them costs no load they did not already cost), every entry of a GPU the budget can empty
+    from home (their moves are paid already: moving them again costs none more), every entry of a GPU the budget can empty
     when the balance must shed a GPU, and on the other GPUs the ``budget/2`` hottest and coldest at home
     (``BALANCE_MOVABLE_PER_MOVE`` per move): with ``budget`` moves at most ``budget/2`` entries leave home, and
     the hottest free the most load per move, the coldest an adapter for the least load. On 1,280 adapters and
