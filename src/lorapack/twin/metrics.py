@@ -17,8 +17,8 @@
   log-binned gap histogram, ``twin.gaps``; a gap across a stall or a preemption is one long gap, as the client
   sees it). Engines without a histogram give the p99 over completed requests of their mean gap instead;
 * per adapter: completed-token ratio over the requests sent ``adapter_grace_s`` before the end and not still
-  streaming at the end (first token out, the rest not yet due at the run's p99 inter-token gap), and the age of its oldest unfinished request (``adapter_starved``: ratio < 0.9 with
-  >= 20 such requests, or age > 300 s);
+  streaming at the end (first token out, the rest not yet due at the run's p99 inter-token gap), and the age
+  of its oldest unfinished request (``adapter_starved``: ratio < 0.9 with >= 20 such requests, or age > 300 s);
 * TTFT over completed requests, plus ``EngineResult.ttft_overhead_ms`` (the API server's share, a profile
   constant); penalised TTFT counts each unfinished request as the whole window.
 """
