@@ -147,6 +147,11 @@ class Context:
             self._cache[kind] = oracle
         return self._cache[kind]
 
+    def confirmer(self, oracle: Oracle) -> Oracle | None:
+        """What double-checks ``oracle`` where it would commit nothing to an empty GPU (``greedy_fill``'s
+        ``confirm``): the twin for a learned model (wrong outside its data), nothing for the twin itself."""
+        return self.twin() if getattr(oracle, "learned", False) else None
+
     def twin(self) -> Oracle:
         """The twin at ``proposed-exact``'s settings (shared: its cache serves the search and repair too)."""
         if self.search_oracle is not None:
@@ -744,7 +749,7 @@ def _run(m: Method, inst: Instance, ctx: Context, config: PlaceConfig, bound: Lo
         assert m.oracle is not None  # a greedy method is its oracle (``registry.Method``)
         oracle = ctx.oracle_of(m.oracle)
         # a learned method's own model is double-checked by the twin where it would give up on an empty GPU
-        confirm = ctx.twin() if getattr(oracle, "learned", False) else None
+        confirm = ctx.confirmer(oracle)
         origin = "greedy"
         for attempt in range(MAX_SPLIT_ROUNDS + 1):
             stats: dict = {}

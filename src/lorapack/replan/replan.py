@@ -603,22 +603,16 @@ def _moves(st: _State, where: dict[int, int]) -> int:
     return 2 * sum(1 for e, g in where.items() if e in st.home and st.home[e] != g)
 
 
-# the balance within a budget of moves: at-home entries a kept GPU may give away, hottest and coldest, per move
-# the budget allows (the rest stay where they are; docs/replan.md, "The balance")
-BALANCE_MOVABLE_PER_MOVE = 1
-
-
 def _movable(st: _State, used: Sequence[int], gpus: int, budget: float) -> set[int]:
     """The entries ``_balance`` may move: all of them when the budget is unbounded; otherwise the entries away
-    from home (their moves are paid already: moving them again costs none more), every entry of a GPU the budget can empty
-    when the balance must shed a GPU, and on the other GPUs the ``budget/2`` hottest and coldest at home
-    (``BALANCE_MOVABLE_PER_MOVE`` per move): with ``budget`` moves at most ``budget/2`` entries leave home, and
-    the hottest free the most load per move, the coldest an adapter for the least load. On 1,280 adapters and
-    five GPUs with 40 moves this cuts HiGHS's problem from 5,147 variables, where it ran to its time limit, to 1,843
-    (``bench/replan_speed.py``, ``hot-k40``)."""
+    from home (their moves are paid already), every entry of a GPU the budget can empty when the balance must
+    shed a GPU, and on the other GPUs the ``budget/2`` hottest and coldest at home: with ``budget`` moves at most
+    ``budget/2`` entries leave home, the hottest free the most load per move, the coldest an adapter for the
+    least load. On 1,280 adapters and five GPUs with 40 moves this cut HiGHS's problem from 5,147 variables,
+    where it ran to its time limit, to 1,843 (``bench/replan_speed.py``, ``hot-k40``)."""
     if not math.isfinite(budget):
         return {e for g in used for e in st.gpus[g].entries}
-    k = max(1, int(BALANCE_MOVABLE_PER_MOVE * budget / 2))
+    k = max(1, int(budget / 2))
     out: set[int] = set()
     for g in used:
         at_home = [e for e in st.gpus[g].entries if st.home.get(e) == g]
@@ -804,7 +798,7 @@ def replan(inst: Instance, profile: Profile, config: PlaceConfig, previous: Prev
     oracle = ctx.oracle_of(method.oracle) if method.greedy and method.oracle else ctx.twin()
     inst = _carry_splits(inst, prev)
     st = _initial_state(inst, profile, oracle, config, previous)
-    st.confirm = ctx.twin() if getattr(oracle, "learned", False) else None
+    st.confirm = ctx.confirmer(oracle)
 
     say("re-testing the GPUs whose load rose")
     changed = [g for g, gpu in enumerate(st.gpus) if gpu.entries and _risen(st, prev, g)]

@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import SpecError
 from ..oracle import FEATURE_NAMES
 from .dataset import LABEL_ROWS, TRANSFORMS, Dataset
-from .forest import from_sklearn
+from .forest import FlatForest, from_sklearn
 from .modelfile import TARGETS, ModelFile
 
 FAMILIES = ("hgb", "rf", "knn", "svm")
@@ -325,7 +325,7 @@ def _train_profile(ds: Dataset, opts: TrainOptions, extra_sets: dict[str, Datase
 SHIP_TIE_SHARE = 0.05
 
 
-def _ship(target: str, results: list[FamilyResult], link: str):
+def _ship(target: str, results: list[FamilyResult], link: str) -> tuple[FamilyResult, FlatForest]:
     """The family to ship for ``target`` and its exported forest: among the exportable results, the one with the
     fewest tree nodes whose CV score is within ``SHIP_TIE_SHARE`` of the best (SMAPE: at most 5 % higher; macro-F1:
     at most 5 % of the gap to 1 lower). A near tie is noise of the search (the held-out scores often rank the two

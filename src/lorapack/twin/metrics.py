@@ -234,11 +234,9 @@ def compute_metrics(res: EngineResult, req: RequestArrays, duration_s: float, n_
     ad = req.adapter
     tok = p + o
     cut = duration_s - adapter_grace_s if duration_s > 2 * adapter_grace_s else duration_s
-    streaming = sent & ~done & np.isfinite(res.t_first_s) & (res.t_first_s <= duration_s)
-    if np.isfinite(itl_p99):
-        streaming &= res.t_first_s + (o - 1) * (itl_p99 / 1000.0) > duration_s
-    else:
-        streaming[:] = False
+    # (no first token, or no p99 gap: NaN, which compares False -- not streaming)
+    due_s = res.t_first_s + (o - 1) * (itl_p99 / 1000.0)
+    streaming = sent & ~done & (res.t_first_s <= duration_s) & (due_s > duration_s)
     ripe = could_finish & (req.t_arr_s < cut) & ~streaming
     sent_tok = np.bincount(ad[ripe], weights=tok[ripe], minlength=n_adapters)
     done_tok = np.bincount(ad[ripe & done], weights=tok[ripe & done], minlength=n_adapters)
