@@ -10,6 +10,11 @@
 5. ``--repeat-measure``: measure and calibrate a second time (another seed) and compare the two profiles'
    starvation labels on the held-back runs (reproducibility).
 
+The twin runs at the server's pace of the moment (``measure.proof.server_pace``: a base-model decode probe before
+each held-back run against the measurement's decode fit), and the server's "starved" label is judged against an
+idle server of that pace: a GPU keeps its pace, this shared CPU drifts by tens of per cent over minutes
+(docs/testbed.md). ``--no-pace`` predicts at the measurement's pace (the figures of 2026-11-27 were so).
+
 Prints the figures and writes ``bench/results/testbed_fidelity.json``. Needs the testbed (``make testbed``);
 about 20 + 15 min (+ 20 with ``--repeat-measure``) on a 2-core machine. SMAPE in the project's convention
 (``realruns.smape``: |p - m| / (|p| + |m|), the paper's); ``*_2x`` keys give the textbook form.
@@ -37,6 +42,8 @@ def main() -> int:
     ap.add_argument("--designs", type=int, default=21, help="held-back runs (the first K designs)")
     ap.add_argument("--noise-runs", type=int, default=3, help="held-back runs replayed twice more")
     ap.add_argument("--repeat-measure", action="store_true", help="measure + calibrate a second time")
+    ap.add_argument("--pace", action=argparse.BooleanOptionalAction, default=True,
+                    help="probe the server's pace before each held-back run and run the twin at it (default on)")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the measurements and profiles here")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "testbed_fidelity.json")
     ap.add_argument("--rank-noise", default=None, metavar="K,K,...",
@@ -95,21 +102,40 @@ def main() -> int:
         solo = idle_service(mdir, ident.max_num_batched_tokens)
         runs = fd.held_back_runs(lambda n: capacity_rps(ctx, store, n, 128.0, 128.0),
                                  fd.HELD_BACK[:args.designs], window_s=args.window_s)
+
+        def pace_of(measured: Path, probe_ms: float | None) -> float:
+            """The server's pace against the measurement ``measured`` (1 unpaced: ``probe_ms`` None)."""
+            return 1.0 if probe_ms is None else fd.server_pace(ctx, measured, probe_ms)
+
+        def probe() -> float | None:
+            return fd.pace_probe_ms(ctx) if args.pace else None
+
+        def paced(k: float):
+            """The idle server's service time at pace ``k`` (the server's "starved" label is judged against it)."""
+            return lambda prompt, output: k * solo(prompt, output)
+
         results = []
         for k, run in enumerate(runs):
             t0 = time.monotonic()
-            got = fd.replay_run(server.url, ident.model, run, ident, solo)
+            probe_ms = probe()
+            pace = pace_of(mdir, probe_ms)
+            got = fd.replay_run(server.url, ident.model, run, ident, paced(pace))
             ex.wait_idle(Http(server.url))
-            got["prediction"] = fd.predict_run(prof, run, got["arrivals"], ident)
+            got["pace"], got["probe_ms"] = pace, probe_ms
+            got["prediction"] = fd.predict_run(prof, run, got["arrivals"], ident, time_scale=pace)
             results.append((run, got))
             r, p = got["row"], got["prediction"]
             print(f"held-back {k + 1}/{len(runs)} {run.run_id}: throughput {r['throughput_tok_s']:.0f} vs twin "
                   f"{p['throughput_tok_s']:.0f} tok/s; TTFT {r['ttft_mean_ms']:.0f} vs {p['ttft_mean_ms']:.0f} ms; "
-                  f"starved {bool(r['starved'])} vs {p['starved']} ({time.monotonic() - t0:.0f} s)", flush=True)
+                  f"starved {bool(r['starved'])} vs {p['starved']}; pace {pace:.2f} ({time.monotonic() - t0:.0f} s)",
+                  flush=True)
         noise = []
         for run, _ in results[:args.noise_runs]:
-            reps = [fd.replay_run(server.url, ident.model, run, ident, solo, repeat=i)["row"] for i in (1, 2)]
-            ex.wait_idle(Http(server.url))
+            reps = []
+            for i in (1, 2):
+                pace = pace_of(mdir, probe())
+                reps.append(fd.replay_run(server.url, ident.model, run, ident, paced(pace), repeat=i)["row"])
+                ex.wait_idle(Http(server.url))
             first = next(g["row"] for r2, g in results if r2 is run)
             tp = [first["throughput_tok_s"]] + [x["throughput_tok_s"] for x in reps]
             tt = [first["ttft_mean_ms"]] + [x["ttft_mean_ms"] for x in reps]
@@ -133,7 +159,7 @@ def main() -> int:
             return float(np.mean(errs))
 
         out.update({
-            "n_runs": len(results), "window_s": args.window_s,
+            "n_runs": len(results), "window_s": args.window_s, "paced": args.pace,
             "smape_throughput": smape(np.array(m_tp), np.array(p_tp)),
             "smape_throughput_2x": smape(np.array(m_tp), np.array(p_tp), 2.0),
             "smape_ttft": smape(np.array(m_tt), np.array(p_tt)),
@@ -149,7 +175,7 @@ def main() -> int:
             "profile": {"steptime": prof.steptime.model_dump(), "frontend": prof.frontend.model_dump()
                         if prof.frontend else None},
             "runs": [{"run_id": run.run_id, "n_adapters": len(run.adapters),
-                      "rate_rps": sum(a.rate_rps for a in run.adapters),
+                      "rate_rps": sum(a.rate_rps for a in run.adapters), "pace": g["pace"],
                       "measured": {k: g["row"][k] for k in ("throughput_tok_s", "ttft_mean_ms", "throughput_ratio",
                                                               "starved", "n_completed", "n_sent")},
                       "predicted": {k: g["prediction"][k] for k in ("throughput_tok_s", "ttft_mean_ms",
@@ -157,8 +183,10 @@ def main() -> int:
                      for run, g in results],
         })
         if args.repeat_measure:
-            _mdir_b, prof_b, wall_b = measure_and_fit("b", 1)
-            labels_b = [fd.predict_run(prof_b, run, g["arrivals"], ident)["starved"] for run, g in results]
+            mdir_b, prof_b, wall_b = measure_and_fit("b", 1)
+            # each profile at the server's pace against its own measurement (the same probe of each run)
+            labels_b = [fd.predict_run(prof_b, run, g["arrivals"], ident, time_scale=pace_of(mdir_b, g["probe_ms"]))
+                        ["starved"] for run, g in results]
             out["repeat_measure"] = {"measure_wall_s": wall_b,
                                      "same_starved_labels": float(np.mean(np.array(labels_b) == np.array(p_st))),
                                      "labels_a": p_st, "labels_b": labels_b,

@@ -87,21 +87,28 @@ def replay_run(url: str, model: str, run: RunSpec, identity, idle_service_s, rep
 PACE_PROBE = (8, 16, 128)
 
 
-def server_pace(ctx, mdir: Path) -> float:
+def server_pace(ctx, mdir: Path, probe_ms: float | None = None) -> float:
     """How many times longer the server's steps are now than when ``mdir`` was measured: the pace probe (base
     model, ``PACE_PROBE``, two requests per worker) against the measurement's decode fit at that point.
+    ``probe_ms``: a probe already taken (``pace_probe_ms``), to set one probe against several measurements.
 
     A GPU keeps its pace; a shared CPU does not: on 2026-11-29 the same testbed server, minutes apart, ran the
     same held-back run at 595 and at 818-844 tok/s (docs/testbed.md). ``predict_run(..., time_scale=pace)`` then
     compares the profile's shape, not the machine's drift since it was measured."""
-    from .experiments import base_itl_ms
     from .fit import decode_itl_ms, fit_decode, read_rows
 
     c0, c1, a3, _ = fit_decode(read_rows(Path(mdir), "decode.csv"))
     b, prompt, output = PACE_PROBE
-    b = min(b, ctx.concurrency_cap())
-    then_ms = decode_itl_ms(c0, c1, a3, b, prompt + output / 2.0)
-    return base_itl_ms(ctx, b, 2, prompt, output) / then_ms
+    then_ms = decode_itl_ms(c0, c1, a3, min(b, ctx.concurrency_cap()), prompt + output / 2.0)
+    return (pace_probe_ms(ctx) if probe_ms is None else probe_ms) / then_ms
+
+
+def pace_probe_ms(ctx) -> float:
+    """The pace probe's ITL (ms) on the server now (see ``server_pace``)."""
+    from .experiments import base_itl_ms
+
+    b, prompt, output = PACE_PROBE
+    return base_itl_ms(ctx, min(b, ctx.concurrency_cap()), 2, prompt, output)
 
 
 def predict_run(profile, run: RunSpec, arrivals, identity, time_scale: float = 1.0) -> dict:
