@@ -373,6 +373,13 @@ def test_cli_each_option_value(worker: Worker, cmd: str, option: str, value: str
     check_cli_outcome(worker, [cmd, *base, option, *([value] if value is not None else [])])
 
 
+def test_a_refused_command_prints_its_error_alone(worker: Worker) -> None:
+    """Drawn by ``test_cli_random_options`` (CI, 2026-11-29): a rank outside the profile's calibration warned
+    before ``--max-model-len 0`` was refused, so the refusal was two lines. Warnings now follow the checks."""
+    check_cli_outcome(worker, ["simulate", DEMO, "--max-model-len", "0", "--max-lora-rank", "512", "--max-loras", "8",
+                               "--model", LLAMA, "--duration-s", "20"])
+
+
 # ---- the shared checks and guards, directly -----------------------------------------------------------------
 
 

@@ -109,7 +109,6 @@ def resolve_server(profile: Profile, ranks: np.ndarray, flags: ServerConfig) -> 
         raise SpecError(f"--max-loras {flags.max_loras}: expected an integer >= 1")
     rules = flags.version_rules(profile.vllm_version)
     s = check_lora_ranks(ranks, flags.max_lora_rank, rules.lora_ranks)
-    warn_uncalibrated_ranks(profile, ranks, s)
     n_cpu = max(n_adapters, flags.max_loras) if flags.max_cpu_loras is None else int(flags.max_cpu_loras)
     if n_cpu < flags.max_loras:
         raise SpecError(f"--max-cpu-loras {n_cpu} is below --max-loras {flags.max_loras}; vLLM requires "
@@ -124,6 +123,8 @@ def resolve_server(profile: Profile, ranks: np.ndarray, flags: ServerConfig) -> 
             raise SpecError(f"{name} {v}: expected an integer >= 1")
     if flags.client_cap < 0:
         raise SpecError(f"--client-cap {flags.client_cap}: expected an integer >= 0 (0 = off)")
+    # warnings only once every flag is known good: a refused command prints its one error line alone
+    warn_uncalibrated_ranks(profile, ranks, s)
     gmu = profile.measured_gpu_memory_utilization
     if flags.gpu_memory_utilization is not None and float(flags.gpu_memory_utilization) != gmu:
         warnings.warn(f"--gpu-memory-utilization {flags.gpu_memory_utilization}: the twin models the KV cache at "
