@@ -106,23 +106,3 @@ def test_properties(first_a: list[float], data) -> None:
     exact = (np.sign(a[i] - a[j]) == np.sign(b[i] - b[j])) | (a[i] == a[j]) | (b[i] == b[j])
     assert order_agreement(sent, ads, a, b)[0] == pytest.approx(exact.mean())
     assert order_agreement(sent, ads, a, b, tie_s=11.0)[0] == 1.0
-
-
-def test_requests_the_api_server_held_are_told_apart() -> None:
-    """A request queued in the engine 0.4 s after it was sent (a loaded machine's API server) is held; 50 ms
-    outside the engine (an idle machine's front end and way back) is not, nor is a request without the engine's
-    own intervals. ``compare_with_twin`` leaves the held ones out of the pairs."""
-    from lorapack.testbed.replay import RequestRecord
-    from lorapack.testbed.staircase import MAX_OUTSIDE_ENGINE_S, held_requests
-
-    def record(outside_s: float, metrics: bool = True) -> RequestRecord:
-        # first token by the engine's intervals at 0.1 s after sending; 9 more tokens of 20 ms; the finish
-        # comes outside_s later than those intervals say
-        return RequestRecord(index=0, adapter_id="r8-0", prompt_tokens=8, output_tokens=10, t_planned_s=0.0,
-                             t_sent_s=0.0, t_first_s=0.1, t_finish_s=0.1 + 0.18 + outside_s, completion_tokens=10,
-                             status=200, **({"queue_ms": 40.0, "engine_ttft_ms": 60.0, "engine_itl_ms": 20.0}
-                                            if metrics else {}))
-
-    recs = [record(0.05), record(0.4), record(0.4, metrics=False), record(MAX_OUTSIDE_ENGINE_S + 0.01)]
-    assert [round(r.outside_engine_s, 3) for r in recs[:2]] == [0.05, 0.4]
-    assert held_requests(recs).tolist() == [False, True, False, True]
