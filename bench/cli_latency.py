@@ -14,9 +14,14 @@ JSON. The floors printed beside it: a bare interpreter (``python -c pass``) and 
 figures of a loaded machine are slower than the targets' "idle" (``idle`` false when the 1-minute load
 average was above a quarter of the CPUs at the start).
 
+The compiled reference (``--no-reference`` to skip): the same command with numba answering every tree walk and
+feature row (the numpy paths' budgets set to 0 in the process: what ``place`` did before it avoided numba),
+run in turn with the measured runs (A R A R ...), so a machine whose speed drifts moves both. Reported as
+``reference`` medians and the per-pair ratio of wall times (``wall_ratio``).
+
 Results go to ``bench/results/cli_latency.json``.
 
-Usage: ``python bench/cli_latency.py [--model M] [--reps 5] [--out FILE]``
+Usage: ``python bench/cli_latency.py [--model M] [--reps 5] [--no-reference] [--out FILE]``
 """
 
 from __future__ import annotations
@@ -66,9 +71,16 @@ def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
     return wall, p.stdout
 
 
-def place_run(workload: Path, out: Path, model: str, env: dict[str, str]) -> dict:
+# the console entry point with the numpy paths' budgets at 0: numba answers every tree walk and feature row
+COMPILED_REFERENCE = ("import sys\nfrom lorapack import oracle\nfrom lorapack.surrogate import forest\n"
+                      "forest._eval.numpy_budget = 0\noracle._features_kernel.numpy_budget = 0\n"
+                      "from lorapack.cli import main\nsys.argv[0] = 'lorapack'\nmain()\n")
+
+
+def place_run(workload: Path, out: Path, model: str, env: dict[str, str], compiled: bool = False) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    wall, stdout = timed([*lorapack_command(), "place", str(workload), "-m", model, "--no-verify", "--json",
+    command = [sys.executable, "-c", COMPILED_REFERENCE] if compiled else lorapack_command()
+    wall, stdout = timed([*command, "place", str(workload), "-m", model, "--no-verify", "--json",
                           "--out", str(out)], env)
     plan = json.loads(stdout)
     return {"wall_s": wall, "placement_ms": plan.get("placement_ms"), "load_ms": plan.get("load_ms"),
@@ -84,6 +96,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b-instruct")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-reference", dest="reference", action="store_false",
+                    help="skip the compiled reference runs")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cli_latency.json")
     args = ap.parse_args()
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "0"}
@@ -97,7 +111,13 @@ def main() -> None:
             "python_s": [timed([sys.executable, "-c", "pass"], env)[0] for _ in range(args.reps)],
             "import_cli_s": [timed([sys.executable, "-c", "import lorapack.cli"], env)[0] for _ in range(args.reps)],
         }
-        runs = [place_run(workload, out, args.model, env) for _ in range(args.reps)]
+        if args.reference:
+            place_run(workload, out, args.model, env, compiled=True)  # its numba cache
+        runs, reference = [], []
+        for _ in range(args.reps):
+            runs.append(place_run(workload, out, args.model, env))
+            if args.reference:
+                reference.append(place_run(workload, out, args.model, env, compiled=True))
     load1 = os.getloadavg()
     cpus = os.cpu_count() or 1
     med = {k: median_of(runs, k) for k in ("wall_s", "placement_ms", "load_ms")}
@@ -114,6 +134,11 @@ def main() -> None:
                 "placement_ms": med["placement_ms"] is not None and med["placement_ms"] <= TARGET_PLACEMENT_MS},
         "before": BEFORE,
     }
+    if reference:
+        results["reference"] = {
+            "what": "the same command, numba answering every tree walk and feature row (numpy budgets 0)",
+            "runs": reference, "median": {k: median_of(reference, k) for k in ("wall_s", "placement_ms", "load_ms")},
+            "wall_ratio": statistics.median(a["wall_s"] / b["wall_s"] for a, b in zip(runs, reference, strict=True))}
     print(f"{'run':>4s} {'wall s':>8s} {'placement ms':>13s} {'load ms':>9s} {'GPUs':>5s}")
     for i, r in enumerate(runs, 1):
         print(f"{i:4d} {r['wall_s']:8.2f} {r['placement_ms'] or float('nan'):13.1f} "
@@ -122,6 +147,11 @@ def main() -> None:
     print(f"median: {med['wall_s']:.2f} s wall (target {TARGET_WALL_S:g} s), placement_ms "
           f"{med['placement_ms']:.1f} (target {TARGET_PLACEMENT_MS:g}), load_ms "
           f"{lm if lm is not None else float('nan'):.1f}")
+    if reference:
+        rm = results["reference"]["median"]
+        print(f"compiled reference (numba for every walk), in turn with the runs: {rm['wall_s']:.2f} s wall, "
+              f"placement_ms {rm['placement_ms']:.1f}, load_ms {rm['load_ms']:.1f}; wall ratio (pairs) "
+              f"{results['reference']['wall_ratio']:.2f}")
     print(f"floors: python -c pass {med['python_s']:.2f} s, import lorapack.cli {med['import_cli_s']:.2f} s")
     print(f"load average {load0[0]:.1f} -> {load1[0]:.1f} on {cpus} CPUs"
           + ("" if results["idle"] else " (NOT idle: the targets are for 2 idle cores)"))

@@ -123,10 +123,14 @@ def cli_latency_figures() -> str:
     m, t = d["median"], d["targets"]
     load = d.get("loadavg_start", [float("nan")])[0]
     return (f"`python bench/cli_latency.py` times a cold `lorapack place` of 1,280 adapters with `--no-verify` (median "
-            f"of {d['reps']} fresh processes, numba cache warm): {m['wall_s']:.2f} s wall (target {t['wall_s']:g} s "
+            f"of {d['reps']} fresh processes): {m['wall_s']:.2f} s wall (target {t['wall_s']:g} s "
             f"on 2 idle cores), `placement_ms` {m['placement_ms']:.1f} (target {t['placement_ms']:g}), loading the "
             f"learned model (`load_ms`) {m['load_ms']:.0f} ms; `import lorapack.cli` alone {m['import_cli_s']:.2f} s "
-            f"({_day(d)}, load average {load:.1f} on {d['cpus']} cores{'' if d.get('idle') else ', not idle'}).")
+            f"({_day(d)}, load average {load:.1f} on {d['cpus']} cores{'' if d.get('idle') else ', not idle'})."
+            + ("" if not (ref := d.get("reference")) else
+               f" In turn with it, the same command with numba answering the trees (as before issue 26's item 5): "
+               f"{ref['median']['wall_s']:.2f} s wall, `placement_ms` {ref['median']['placement_ms']:.1f}; "
+               f"wall ratio {ref['wall_ratio']:.2f}."))
 
 
 def testbed_fidelity_figures() -> str:

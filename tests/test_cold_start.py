@@ -6,6 +6,8 @@
 * A log-normal workload's length parameters are solved once per machine (``lognormal_lengths.json`` in the
   cache directory): a second process gets them bit for bit without importing scipy.optimize.
 * A learned model file is read from an uncompressed copy after its first load; a damaged copy is ignored.
+* ``lorapack place --no-verify`` with the learned models never imports numba (its import and set-up cost
+  0.5-1 s): the feature code and the tree walk answer in numpy, the engine is imported where a run starts.
 * ``plan.json`` reports ``load_ms`` (reading the learned models) apart from ``placement_ms``.
 """
 
@@ -119,3 +121,26 @@ def test_console_process_exits_without_teardown_but_with_its_output_and_code(tmp
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.splitlines()) == 1
     helped = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=600)
     assert helped.returncode == 0 and "place" in helped.stdout
+
+
+@pytest.mark.skipif(not SHIPPED_MODEL.is_file(), reason="no shipped learned model")
+def test_place_without_verification_never_imports_numba(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The lower bound's capacities come from the cache (filled in this process first, as any earlier
+    placement on the machine does); then a fresh ``lorapack place --no-verify`` answers without numba."""
+    from data_helpers import run_main
+
+    workload = tmp_path / "adapters.csv"
+    workload.write_text("adapter_id,rank,rate_rps\n" + "".join(f"a{i},{8 if i % 3 else 16},{0.01 + 0.002 * i:.3f}\n"
+                                                              for i in range(300)))
+    args = ["place", str(workload), "-m", "llama-3.1-8b-instruct", "--no-verify", "--json", "--out"]
+    code, out, err = run_main(monkeypatch, capsys, *args, tmp_path / "warm")
+    assert code == 0, err
+    run = ("import sys, json\nfrom lorapack.cli import app\n"
+           f"try:\n    app({[*args, str(tmp_path / 'cold')]!r}, standalone_mode=False)\nexcept SystemExit:\n    pass\n"
+           "print(json.dumps(sorted(m for m in ('numba', 'llvmlite', 'lorapack.twin.engine') if m in sys.modules)))")
+    p = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == []
+    cold = json.loads((tmp_path / "cold" / "plan.json").read_text())
+    warm = json.loads(out)
+    assert cold["gpus"] == warm["gpus"], "the numpy answers placed differently from this process's"

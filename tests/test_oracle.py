@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lorapack.errors import SpecError
 from lorapack.oracle import (
@@ -41,6 +43,28 @@ def test_features_match_the_paper_definitions() -> None:
     assert f["incoming_expected_tok_s"] == pytest.approx(300.0)
     m = features([c, cand()])
     assert m.shape == (2, len(FEATURE_NAMES)) and m.dtype == np.float64
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.lists(st.sampled_from([8, 16, 32, 64, 128, 256, 320]), min_size=1, max_size=40),
+                          st.floats(1e-6, 50.0), st.integers(1, 64), st.sampled_from([0, 8, 16, 64]),
+                          st.floats(1.0, 4000.0), st.floats(1.0, 4000.0), st.integers(0, 2**32 - 1)),
+                min_size=1, max_size=12))
+def test_numpy_features_are_the_kernels_bit_for_bit(cands) -> None:
+    """``features`` computes in numpy until the compiled kernel is readied (a short command never readies
+    it): both must give the same bits, or a placement would depend on how long its process has run."""
+    from lorapack.oracle import _SLOT_RANKS, _features_kernel, _features_numpy
+
+    rng_rates = [np.random.default_rng(seed).random(len(ranks)) * top for ranks, top, *_, seed in cands]
+    sizes = np.array([len(c[0]) for c in cands], np.int64)
+    ranks = np.concatenate([np.array(c[0], np.float64) for c in cands])
+    rates = np.concatenate(rng_rates) + 1e-9
+    scalars = np.array([(a, s, pi, po) for _r, _t, a, s, pi, po, _seed in cands], np.float64)
+    want = np.empty((len(cands), len(FEATURE_NAMES)))
+    got = np.empty_like(want)
+    _features_kernel(sizes, ranks, rates, scalars, _SLOT_RANKS, want)  # compiled (numba) here
+    _features_numpy(sizes, ranks, rates, scalars, _SLOT_RANKS, got)
+    assert np.array_equal(got, want), np.argwhere(got != want)[:5]
 
 
 def test_slot_rank_is_the_smallest_value_vllm_accepts() -> None:

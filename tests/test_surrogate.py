@@ -57,6 +57,83 @@ def test_flat_forests_reproduce_scikit_learn_exactly() -> None:
         from_sklearn(LinearRegression().fit(X, y), 4)
 
 
+def _compiled(f: FlatForest, X: np.ndarray) -> np.ndarray:
+    """The compiled loop's answer, whatever ``predict`` would choose in this process."""
+    from lorapack.surrogate.forest import LINKS, _eval
+
+    X = np.ascontiguousarray(X, dtype=np.float64)
+    if f.x_float32:
+        X = X.astype(np.float32).astype(np.float64)
+    out = np.empty(X.shape[0])
+    _eval(X, f.feature, f.threshold, f.left, f.right, f.value, f.roots, f.agg == "mean", float(f.base),
+          LINKS.index(f.link), out)
+    return out
+
+
+def _numpy(f: FlatForest, X: np.ndarray) -> np.ndarray:
+    X = np.ascontiguousarray(X, dtype=np.float64)
+    return f._eval_numpy(X.astype(np.float32).astype(np.float64) if f.x_float32 else X)
+
+
+SHIPPED = sorted((SRC / "models").glob("*/*.npz"))
+
+
+def test_numpy_walk_is_the_compiled_loop_bit_for_bit() -> None:
+    """``predict`` walks small batches in numpy until the compiled loop is readied (``lorapack place
+    --no-verify`` never readies it): the same bits for every family, link and shipped model, inside and
+    outside the training ranges."""
+    from sklearn.ensemble import (
+        HistGradientBoostingClassifier,
+        HistGradientBoostingRegressor,
+        RandomForestRegressor,
+    )
+    from sklearn.tree import DecisionTreeRegressor
+    from threadpoolctl import threadpool_limits
+
+    from lorapack.surrogate.modelfile import load_model
+
+    threadpool_limits(1)
+    rng = np.random.default_rng(1)
+    X = rng.random((300, 4)) * [400, 100, 3, 32]
+    y = X[:, 0] / 100 + np.sin(X[:, 2]) + 0.01 * X[:, 3]
+    forests = [from_sklearn(est.fit(X, y), 4) for est in (
+        RandomForestRegressor(12, random_state=0), DecisionTreeRegressor(max_leaf_nodes=32),
+        HistGradientBoostingRegressor(max_iter=30))]
+    forests.append(from_sklearn(HistGradientBoostingClassifier(max_iter=30).fit(X, y > np.median(y)), 4))
+    exp_link = from_sklearn(HistGradientBoostingRegressor(max_iter=30).fit(X, np.log1p(y - y.min())), 4)
+    exp_link.link = "exp"
+    forests.append(exp_link)
+    assert {f.link for f in forests} == {"identity", "logistic", "exp"} and {f.agg for f in forests} == {"mean", "sum"}
+    Xt = rng.random((97, 4)) * [800, 200, 6, 64] - [200, 50, 1.5, 16]  # beyond the training ranges too
+    for f in forests:
+        assert np.array_equal(_numpy(f, Xt), _compiled(f, Xt))
+        assert _numpy(f, Xt[:0]).shape == (0,)
+    assert SHIPPED, "no shipped model to check"
+    for path in SHIPPED:
+        mf = load_model(path)
+        lo = np.array([mf.ranges[n][0] for n in mf.feature_names])
+        hi = np.array([mf.ranges[n][1] for n in mf.feature_names])
+        Xs = lo + rng.random((64, len(lo))) * (hi - lo) * 1.2 - 0.1 * (hi - lo)
+        for name, f in mf.targets.items():
+            assert np.array_equal(_numpy(f, Xs), _compiled(f, Xs)), (path.parent.name, path.name, name)
+
+
+def test_predict_walks_in_numpy_only_within_its_budget(monkeypatch) -> None:
+    """A small batch in a process whose loop is not compiled: numpy; past the budget, or once compiled:
+    the loop (which then stays)."""
+    from lorapack.surrogate import forest
+    from lorapack.twin.jitcache import LazyKernel
+
+    f = FlatForest(feature=np.array([0, 0, 0]), threshold=np.array([0.5, 0, 0]), left=np.array([1, -1, -1]),
+                   right=np.array([2, -1, -1]), value=np.array([0.0, 1.0, 2.0]), roots=np.array([0]), n_features=1)
+    lazy = LazyKernel(forest._eval.py_func, numpy_budget=5, options={})
+    monkeypatch.setattr(forest, "_eval", lazy)
+    X = np.array([[0.0], [1.0], [0.2]])
+    assert f.predict(X).tolist() == [1.0, 2.0, 1.0] and lazy.numpy_work == 3 and not lazy.compiled
+    assert f.predict(X).tolist() == [1.0, 2.0, 1.0] and lazy.numpy_work == 3 and lazy.compiled  # 6 > 5
+    assert f.predict(X[:1]).tolist() == [1.0] and lazy.numpy_work == 3  # compiled: the loop from now on
+
+
 @pytest.mark.parametrize("breakage, match", [
     ({"left": [1, -1, 5], "right": [2, -1, -1]}, "one child|out of order|out of range"),
     ({"left": [-1, 0, -1], "right": [-1, 0, -1]}, "one child|out of order"),

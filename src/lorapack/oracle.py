@@ -35,7 +35,7 @@ from .spec import (
     ModulatedArrivals,
     PoissonArrivals,
 )
-from .twin.jitcache import cached_njit
+from .twin.jitcache import lazy_njit
 from .twin.metrics import RunMetrics
 
 NAN = float("nan")
@@ -275,9 +275,14 @@ def feature_row(cand: GpuCandidate) -> dict[str, float]:
 
 
 _SLOT_RANKS = np.array(VLLM_LORA_RANKS, dtype=np.float64)
+# adapter entries (summed over candidates) whose features numpy computes per process before the compiled kernel
+# is readied (numba's set-up costs 0.5-1 s); see _features_numpy
+NUMPY_FEATURE_ENTRIES = 5_000_000
+# the numpy version pads every candidate to the longest: above this many cells the kernel answers
+NUMPY_FEATURE_CELLS = 2_000_000
 
 
-@cached_njit()
+@lazy_njit(numpy_budget=NUMPY_FEATURE_ENTRIES)
 def _features_kernel(sizes, ranks, rates, scalars, slot_ranks, out):  # pragma: no cover - compiled
     """One row per candidate from the concatenated rank / rate vectors (population std: ddof 0, two-pass)."""
     k = 0
@@ -320,10 +325,35 @@ def _features_kernel(sizes, ranks, rates, scalars, slot_ranks, out):  # pragma: 
         out[i, 11] = q_sum * (pi + po)
 
 
+def _features_numpy(sizes, ranks, rates, scalars, slot_ranks, out) -> None:
+    """``_features_kernel`` in numpy, bit for bit: a short-lived command (``lorapack place --no-verify``) then
+    never sets numba up. The candidates' vectors are padded into one matrix, a row each, and summed along the
+    rows with ``cumsum`` (sequential, as the loop; numpy's ``sum`` is pairwise): the padding adds exact
+    zeros after the last element."""
+    n = sizes.astype(np.float64)
+    width = int(sizes.max())
+    pad = np.arange(width) < sizes[:, None]  # [candidate, position]: holds an adapter
+    q = np.zeros(pad.shape)
+    r = np.zeros(pad.shape)
+    q[pad], r[pad] = rates, ranks  # row-major boolean assignment: the concatenation's order
+    q_sum, r_sum = np.cumsum(q, axis=1)[:, -1], np.cumsum(r, axis=1)[:, -1]
+    q_ss = np.cumsum(np.where(pad, (q - (q_sum / n)[:, None]) ** 2, 0.0), axis=1)[:, -1]
+    r_ss = np.cumsum(np.where(pad, (r - (r_sum / n)[:, None]) ** 2, 0.0), axis=1)[:, -1]
+    r_max = np.where(pad, r, -np.inf).max(axis=1)
+    s = scalars[:, 1].copy()
+    for i in np.flatnonzero(s == 0.0).tolist():  # default --max-lora-rank, as the kernel
+        s[i] = next((v for v in slot_ranks.tolist() if v >= r_max[i]), 0.0)
+    pi, po = scalars[:, 2], scalars[:, 3]
+    out[:] = np.column_stack([n, scalars[:, 0], q_sum, np.sqrt(q_ss / n), r_max, r_sum / n, np.sqrt(r_ss / n), s,
+                              pi, po, np.where(pad, q, -np.inf).max(axis=1), q_sum * (pi + po)])
+
+
 def features(cands: Sequence[GpuCandidate]) -> np.ndarray:
     """Feature matrix ``[len(cands), len(FEATURE_NAMES)]`` (float64). The only feature code in lorapack.
 
-    Compiled: a few microseconds per candidate, so a placement can afford it for every query."""
+    Compiled: a few microseconds per candidate, so a placement can afford it for every query. While the
+    kernel is not readied in a process, numpy computes the features of small batches (``NUMPY_FEATURE_CELLS``)
+    (the same bits; ``tests/test_oracle.py``)."""
     n = len(cands)
     out = np.empty((n, len(FEATURE_NAMES)), dtype=np.float64)
     if n == 0:
@@ -333,7 +363,10 @@ def features(cands: Sequence[GpuCandidate]) -> np.ndarray:
     rates = np.concatenate([c.rates_rps for c in cands])
     scalars = np.array([(c.max_loras, c.max_lora_rank or 0, c.mean_input_tokens or DEFAULT_MEAN_INPUT_TOKENS,
                          c.mean_output_tokens or DEFAULT_MEAN_OUTPUT_TOKENS) for c in cands], np.float64)
-    _features_kernel(sizes, ranks, rates, scalars, _SLOT_RANKS, out)
+    if n * int(sizes.max()) <= NUMPY_FEATURE_CELLS and _features_kernel.prefer_numpy(len(ranks)):
+        _features_numpy(sizes, ranks, rates, scalars, _SLOT_RANKS, out)
+    else:
+        _features_kernel(sizes, ranks, rates, scalars, _SLOT_RANKS, out)
     return out
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from ..objective import Objective
 from ..oracle import Oracle, default_slot_rank
 from ..profile import Profile
-from ..twin.jitcache import cached_njit
+from ..twin.jitcache import lazy_njit
 from .greedy import SLOT_GRID, GpuFill, GreedyOptions, MemoryRule
 from .problem import Instance
 
@@ -162,7 +162,7 @@ def dlora_slot_weight(profile: Profile, rank: int) -> int:
     return int(round(max(vals))) if vals else int(round(m.kv_tokens_per_slot_rank * s + m.kv_tokens_per_slot))
 
 
-@cached_njit()  # cached in the user cache directory: a read-only install stays untouched
+@lazy_njit()  # compiled at its first call; cached in the user cache directory, never the package
 def _dlora_first_phase(expected: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     """The order in which the selection rule allocates each adapter's first replica (see ``dlora``)."""
     m = len(expected)

@@ -93,8 +93,8 @@ def simulate_capacity_tok_s(profile: Profile, slot_rank: int, mean_input_tokens:
     """``C(S)``: completed tokens/s of one saturated GPU (see the module docstring)."""
     from ..oracle import GpuCandidate, candidate_workload
     from ..profile import SchedulerModel
-    from ..twin.early import capacity_bound_tok_s
     from ..twin.run import engine_config, resolve_server, simulate_requests
+    from ..twin.steptime import capacity_bound_tok_s
     from ..workload import generate_requests
 
     zero = SchedulerModel(ms_per_running=0.0, const_ms=0.0, ms_per_waiting=0.0, ms_per_waiting_slot_ratio=0.0,

@@ -64,8 +64,8 @@ def gpu_capacity_bound_tok_s(profile: Profile, slot_rank: int) -> float:
     """The most tokens/s one GPU with ``--max-lora-rank slot_rank`` could complete: the step-time model's hard
     bound (each token needs at least the cheapest per-token step time), which the twin never exceeds."""
     from ..server import ServerConfig
-    from ..twin.early import capacity_bound_tok_s
     from ..twin.run import engine_config, resolve_server
+    from ..twin.steptime import capacity_bound_tok_s
 
     ranks = np.array([slot_rank])
     srv = resolve_server(profile, ranks, ServerConfig(max_loras=1, max_lora_rank=slot_rank))

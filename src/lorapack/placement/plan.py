@@ -9,6 +9,7 @@ registration order (the last ``max_loras`` registered are resident when vLLM sta
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -96,7 +97,11 @@ class GpuPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """plan.json's form: the server's flags as flat keys between ``weights`` and ``incoming_tok_s``."""
-        d = asdict(self)
+        flat = copy.copy(self)  # the long per-adapter lists copied as lists: asdict walks them element by element
+        flat.adapters, flat.weights, flat.ranks, flat.rates_rps = [], [], [], []
+        d = asdict(flat)
+        d.update(adapters=list(self.adapters), weights=list(self.weights), ranks=list(self.ranks),
+                 rates_rps=list(self.rates_rps))
         d.pop("server")
         out: dict[str, Any] = {"adapters": d.pop("adapters"), "weights": d.pop("weights")}
         out.update((k, getattr(self.server, k)) for k in PLAN_FLAGS)
@@ -172,7 +177,9 @@ class Plan:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        rest = copy.copy(self)
+        rest.gpus = []  # each GPU by its own to_dict, once
+        d = asdict(rest)
         d["gpus"] = [g.to_dict() for g in self.gpus]
         d["gpus_used"] = self.gpus_used
         d["gap_gpus"] = self.gap_gpus

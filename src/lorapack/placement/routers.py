@@ -24,6 +24,7 @@ independently -- the arrivals verification assumed (a Poisson stream split at ra
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,12 +68,13 @@ def server_url(url: str) -> str:
     return url.removesuffix("/").removesuffix("/v1")
 
 
+_YAML_RAW_FORBIDDEN = re.compile("[\x7f-\x9f\u2028\u2029\ufeff]")
+
+
 def _yaml_str(text: str) -> str:
     """``text`` as a YAML double-quoted scalar. JSON's string syntax is a subset of YAML's; characters YAML reads
     as line breaks or does not allow raw (C1 controls, U+2028/9, a BOM) are escaped, so any id survives."""
-    quoted = json.dumps(text, ensure_ascii=False)
-    return "".join(f"\\u{ord(c):04x}" if 0x7F <= ord(c) <= 0x9F or c in "\u2028\u2029\ufeff" else c
-                   for c in quoted)
+    return _YAML_RAW_FORBIDDEN.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(text, ensure_ascii=False))
 
 
 def _weights_text(targets: list[tuple[int, float]]) -> str:

@@ -1,4 +1,4 @@
-"""Tree ensembles as flat arrays, evaluated by one numba loop (issue 8, Deliver 6).
+"""Tree ensembles as flat arrays, evaluated by one numba loop (issue 8, Deliver 6), or by numpy for small batches.
 
 A ``FlatForest`` holds every tree of one model in five node arrays (``feature``, ``threshold``, ``left``,
 ``right``, ``value``; a leaf has ``left == -1``) plus the root of each tree. A row goes left when
@@ -7,25 +7,36 @@ baseline (gradient boosting) of the leaf values; ``link`` maps it to the target 
 Random forests and scikit-learn's decision trees compare float32 features (they cast their input), so
 ``x_float32`` rounds the features first; then the compiled evaluator reproduces ``predict`` exactly.
 
+The numpy walk (``_eval_numpy``) gives the same bits as the compiled loop (leaf values added in tree order,
+``math.exp`` as numba's ``np.exp`` on a scalar: both glibc's ``exp``); ``predict`` takes it while the
+compiled loop has not been readied in this process and the numpy walks stay within ``NUMPY_WALKS``: a
+``lorapack place --no-verify`` of 1,280 adapters walks ~70,000 (row, tree) pairs (~30 ms in numpy) and
+never sets numba up (0.5-1 s in a fresh process; issue 26, item 5). ``tests/test_forest.py`` checks the
+two agree bit for bit.
+
 Export: ``from_sklearn(estimator)`` for ``RandomForestRegressor/Classifier``, ``DecisionTreeRegressor/
 Classifier`` and ``HistGradientBoostingRegressor/Classifier`` (binary); anything else raises.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import DataError
-from ..twin.jitcache import cached_njit
+from ..twin.jitcache import lazy_njit
 
 LINKS = ("identity", "exp", "logistic")
 AGGS = ("mean", "sum")
 ARRAYS = ("feature", "threshold", "left", "right", "value", "roots")
+# (row, tree) walks per process the numpy walk takes before the compiled loop is readied: numpy walks one in
+# ~0.4 us, the loop in ~0.1 us once numba is set up (0.5-1 s), so ~2 M walks cost about that set-up
+NUMPY_WALKS = 2_000_000
 
 
-@cached_njit()
+@lazy_njit(numpy_budget=NUMPY_WALKS)
 def _eval(X, feature, threshold, left, right, value, roots, mean_agg, base, link, out):
     """Trees outer, rows inner: one tree's nodes stay in cache while every row walks it (a batch of 1,000
     rows is ~3x faster than rows outer). Per row the leaf values are added in tree order either way."""
@@ -51,6 +62,14 @@ def _eval(X, feature, threshold, left, right, value, roots, mean_agg, base, link
         elif link == 2:
             acc = 1.0 / (1.0 + np.exp(-acc))
         out[i] = acc
+
+
+def _exp(v: float) -> float:
+    """``math.exp`` with numba's (and numpy's) overflow: inf, not an error."""
+    try:
+        return math.exp(v)
+    except OverflowError:
+        return math.inf
 
 
 @dataclass
@@ -118,10 +137,34 @@ class FlatForest:
             raise DataError(f"feature matrix of shape {X.shape}; expected [n, {self.n_features}]")
         if self.x_float32:  # the features as the sklearn model compared them
             X = X.astype(np.float32).astype(np.float64)
+        if _eval.prefer_numpy(X.shape[0] * len(self.roots)):
+            return self._eval_numpy(X)
         out = np.empty(X.shape[0])
         _eval(X, self.feature, self.threshold, self.left, self.right, self.value, self.roots,
               self.agg == "mean", float(self.base), LINKS.index(self.link), out)
         return out
+
+    def _eval_numpy(self, X: np.ndarray) -> np.ndarray:
+        """``_eval`` in numpy: every (row, tree) walker steps down one level per pass, the finished ones
+        dropped; then the leaf values summed in tree order (``cumsum`` adds sequentially, as the loop)."""
+        n, n_trees = X.shape[0], len(self.roots)
+        node = np.tile(self.roots.astype(np.intp), n)  # walker (row i, tree t) at i * n_trees + t
+        row = np.repeat(np.arange(n), n_trees)
+        walking = np.flatnonzero(self.left[node] >= 0)
+        while walking.size:
+            k = node[walking]
+            k = np.where(X[row[walking], self.feature[k]] > self.threshold[k], self.right[k], k + 1)
+            node[walking] = k
+            walking = walking[self.left[k] >= 0]
+        raw = np.cumsum(self.value[node].reshape(n, n_trees), axis=1)[:, -1] if n else np.zeros(0)
+        if self.agg == "mean":
+            raw = raw / n_trees
+        raw = raw + float(self.base)
+        if self.link == "exp":
+            return np.array([_exp(v) for v in raw.tolist()], dtype=np.float64)
+        if self.link == "logistic":
+            return np.array([1.0 / (1.0 + _exp(-v)) for v in raw.tolist()], dtype=np.float64)
+        return raw
 
     # ---- persistence (plain arrays + a small dict; no pickle) ----
     def arrays(self, prefix: str) -> dict[str, np.ndarray]:

@@ -37,11 +37,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..guards import Limits
-from .engine import Engine
 from .metrics import (
     ADAPTER_GRACE_S,
     ADAPTER_MAX_WAIT_S,
@@ -51,8 +51,11 @@ from .metrics import (
     compute_metrics,
     finishable_mask,
 )
-from .steptime import C1, P1
+from .steptime import capacity_bound_tok_s
 from .types import EngineConfig, EngineResult, RequestArrays
+
+if TYPE_CHECKING:  # the engine (and numba) is imported where a run starts: a placement that only reads the
+    from .engine import Engine  # step-time bound (placement.estimate) does not pay for it
 
 STOP_FULL, STOP_CERTAIN, STOP_LIKELY, STOP_HEALTHY = "full", "certain_starved", "likely_starved", "healthy_converged"
 
@@ -119,12 +122,6 @@ def grows(y: np.ndarray, trend_p: float) -> bool:
     """One-sided test: does ``y`` trend upward (p < ``trend_p``)?"""
     slope, p = _slope_p(np.asarray(y, float))
     return slope > 0 and p < trend_p
-
-
-def capacity_bound_tok_s(step_coef: np.ndarray) -> float:
-    """Upper bound on completed tokens per second: each token needs >= min(p1, c1) ms of step time."""
-    per_token_ms = min(step_coef[P1], step_coef[C1])
-    return 1000.0 / per_token_ms if per_token_ms > 0 else float("inf")
 
 
 def healthy_converged(ws: WindowSeries, oldest_wait_s: float, opts: EarlyStopOptions) -> bool:
@@ -236,6 +233,8 @@ def run_with_early_stop(cfg: EngineConfig, req: RequestArrays, opts: EarlyStopOp
                         limits: Limits | None = None) -> tuple[EngineResult, RunMetrics, Engine]:
     """Simulate with early termination; returns the (possibly partial) result, the metrics with
     extrapolated run-level values, and the engine (for its final snapshot)."""
+    from .engine import Engine
+
     eng = Engine(cfg, req, limits=limits)
     T = float(cfg.duration_s)
     if cfg.client_cap > 0 or not (opts.certain or opts.likely or opts.healthy):

@@ -18,7 +18,6 @@ from ..profile import VLLM_LORA_RANKS, Profile, smallest_vllm_rank
 from ..server import VLLM_0_8_5, ServerConfig, VllmRules
 from ..workload.cost import estimate_workload
 from .early import EarlyStopOptions, run_with_early_stop
-from .engine import simulate_fast
 from .metrics import RunMetrics, compute_metrics
 from .steptime import StepModel
 from .types import INT32_MAX, EngineConfig, EngineResult, RequestArrays
@@ -282,6 +281,8 @@ def simulate_requests(profile: Profile, ranks: np.ndarray, req: RequestArrays, f
     if early_stop is not None:
         res, metrics, _eng = run_with_early_stop(cfg, served, early_stop, limits)
     else:
+        from .engine import simulate_fast  # here: importing the engine (and numba) costs ~0.5 s a process
+
         res = simulate_fast(cfg, served, limits=limits)
         metrics = compute_metrics(res, served, duration_s, len(ranks), cfg=cfg).replace(stop_reason="full",
                                                                                 simulated_s=duration_s)

@@ -109,6 +109,12 @@ NOISE_BITS = 12  # the noise law as a table of 2**NOISE_BITS equiprobable quanti
 NOISE_MULT = 0x9E3779B97F4A7C15  # splitmix64's increment: consecutive steps draw far-apart counters
 
 
+def capacity_bound_tok_s(step_coef: np.ndarray) -> float:
+    """Upper bound on completed tokens per second: each token needs >= min(p1, c1) ms of step time."""
+    per_token_ms = min(step_coef[P1], step_coef[C1])
+    return 1000.0 / per_token_ms if per_token_ms > 0 else float("inf")
+
+
 def noise_table(sigma: float) -> np.ndarray:
     """The step-time multiplier's law: mean-one log-normal with log-sd ``sigma``, as 2**NOISE_BITS quantiles at
     the midpoints of equal-probability cells (then divided by their mean, so that the mean is exactly 1: the
