@@ -110,16 +110,12 @@ def main() -> int:
         def probe() -> float | None:
             return fd.pace_probe_ms(ctx) if args.pace else None
 
-        def paced(k: float):
-            """The idle server's service time at pace ``k`` (the server's "starved" label is judged against it)."""
-            return lambda prompt, output: k * solo(prompt, output)
-
         results = []
         for k, run in enumerate(runs):
             t0 = time.monotonic()
             probe_ms = probe()
             pace = pace_of(mdir, probe_ms)
-            got = fd.replay_run(server.url, ident.model, run, ident, paced(pace))
+            got = fd.replay_run(server.url, ident.model, run, ident, fd.paced_idle_service(solo, pace))
             ex.wait_idle(Http(server.url))
             got["pace"], got["probe_ms"] = pace, probe_ms
             got["prediction"] = fd.predict_run(prof, run, got["arrivals"], ident, time_scale=pace)
@@ -134,7 +130,7 @@ def main() -> int:
             reps = []
             for i in (1, 2):
                 pace = pace_of(mdir, probe())
-                reps.append(fd.replay_run(server.url, ident.model, run, ident, paced(pace), repeat=i)["row"])
+                reps.append(fd.replay_run(server.url, ident.model, run, ident, fd.paced_idle_service(solo, pace), repeat=i)["row"])
                 ex.wait_idle(Http(server.url))
             first = next(g["row"] for r2, g in results if r2 is run)
             tp = [first["throughput_tok_s"]] + [x["throughput_tok_s"] for x in reps]

@@ -425,3 +425,12 @@ def test_predict_run_at_a_pace_reports_in_the_servers_time() -> None:
         a, b = fd.predict_run(prof, *heavy, ident), fd.predict_run(prof, *heavy, ident, time_scale=k)
         assert a["starved"] and b["starved"]
         assert b["throughput_tok_s"] == pytest.approx(a["throughput_tok_s"] / k, rel=0.1)
+
+
+def test_paced_idle_service_scales_the_idle_servers_time() -> None:
+    """A held-back run's server "starved" is judged against an idle server at the probed pace (as the twin's)."""
+    from lorapack.measure.proof import paced_idle_service
+
+    solo = paced_idle_service(lambda prompt, output: 0.001 * prompt + 0.01 * output, 1.5)
+    assert solo(100, 10) == 1.5 * (0.1 + 0.1)
+    assert paced_idle_service(lambda p, o: 2.0, 1.0)(1, 1) == 2.0

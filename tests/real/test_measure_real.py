@@ -130,7 +130,7 @@ def test_measure_launch_calibrate_predict(testbed, servers, tmp_path: Path) -> N
         paces.append(fd.server_pace(ctx, mdir))
         # the server's "starved" against an idle server of this pace, as the twin's (2026-11-29: under load, the
         # light run at pace 1.26 read ratio 0.60 against the measurement's idle server)
-        r = fd.replay_run(server.url, ident.model, run, ident, lambda p, o, k=paces[-1]: k * solo(p, o))
+        r = fd.replay_run(server.url, ident.model, run, ident, fd.paced_idle_service(solo, paces[-1]))
         ex.wait_idle(Http(server.url))
         got.append((r["row"], fd.predict_run(prof, run, r["arrivals"], ident, time_scale=paces[-1])))
     light, _, heavy = got

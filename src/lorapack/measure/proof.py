@@ -83,6 +83,14 @@ def replay_run(url: str, model: str, run: RunSpec, identity, idle_service_s, rep
             "repeat": repeat}
 
 
+def paced_idle_service(idle_service_s, pace: float):
+    """``idle_service_s(prompt, output)`` (an idle server's time for one request alone, s) at ``pace`` times the
+    measured step times: what a held-back run's server "starved" label is judged against, as the twin's is at
+    ``predict_run(..., time_scale=pace)`` (under load a server is slower than when it was measured; judged
+    against the measured idle server, a light run read ratio 0.60 on 2026-11-29)."""
+    return lambda prompt, output: pace * idle_service_s(prompt, output)
+
+
 # A base-model decode point of measure's ladder (concurrency, prompt tokens, output tokens): the pace probe
 PACE_PROBE = (8, 16, 128)
 
