@@ -8,11 +8,12 @@ Random forests and scikit-learn's decision trees compare float32 features (they 
 ``x_float32`` rounds the features first; then the compiled evaluator reproduces ``predict`` exactly.
 
 The numpy walk (``_eval_numpy``) gives the same bits as the compiled loop (leaf values added in tree order,
-``math.exp`` as numba's ``np.exp`` on a scalar: both glibc's ``exp``); ``predict`` takes it while the
+``math.exp`` for the links, which numba's scalar ``np.exp`` matches); ``predict`` takes it while the
 compiled loop has not been readied in this process and the numpy walks stay within ``NUMPY_WALKS``: a
 ``lorapack place --no-verify`` of 1,280 adapters walks ~70,000 (row, tree) pairs (~30 ms in numpy) and
-never sets numba up (0.5-1 s in a fresh process; issue 26, item 5). ``tests/test_forest.py`` checks the
-two agree bit for bit.
+never sets numba up (0.5-1 s in a fresh process; issue 26, item 5).
+``tests/test_surrogate.py::test_numpy_walk_is_the_compiled_loop_bit_for_bit`` checks the two agree bit for
+bit on every family, link and shipped model.
 
 Export: ``from_sklearn(estimator)`` for ``RandomForestRegressor/Classifier``, ``DecisionTreeRegressor/
 Classifier`` and ``HistGradientBoostingRegressor/Classifier`` (binary); anything else raises.
