@@ -373,8 +373,9 @@ def test_each_target_trains_on_the_rows_that_carry_its_label() -> None:
 
 
 def test_the_smaller_family_ships_on_a_near_tie_and_the_better_one_otherwise() -> None:
-    """``train._ship``: within ``SHIP_TIE_SHARE`` of the best CV score the model with fewer tree nodes ships (the
-    shipped models are held to 25 MiB); a clear win ships whatever its size."""
+    """``train._ship``: within ``SHIP_TIE_SHARE`` of the best CV score the model with fewer tree nodes ships first
+    (the shipped models are held to 25 MB); a clear win ships first whatever its size (``_within_budget`` may
+    still take the smaller one)."""
     from sklearn.ensemble import RandomForestRegressor
     from sklearn.tree import DecisionTreeRegressor
 
@@ -391,10 +392,39 @@ def test_the_smaller_family_ships_on_a_near_tie_and_the_better_one_otherwise() -
         return [FamilyResult("rf", {}, cv_big, {}, 0.0, big), FamilyResult("hgb", {}, cv_small, {}, 0.0, small)]
 
     near = 2.0 * (1 + SHIP_TIE_SHARE) - 1e-9
-    assert _ship("throughput", results(2.0, near), "identity")[0].family == "hgb"
-    assert _ship("throughput", results(2.0, 2.0 * (1 + 2 * SHIP_TIE_SHARE)), "identity")[0].family == "rf"
+    assert _ship("throughput", results(2.0, near), "identity")[0][0].family == "hgb"
+    assert _ship("throughput", results(2.0, 2.0 * (1 + 2 * SHIP_TIE_SHARE)), "identity")[0][0].family == "rf"
     # macro-F1 (greater is better): the tie is measured on the gap to 1
-    assert _ship("starved", results(0.90, 0.90 - 0.1 * SHIP_TIE_SHARE + 1e-9), "identity")[0].family == "hgb"
-    assert _ship("starved", results(0.90, 0.80), "identity")[0].family == "rf"
+    assert _ship("starved", results(0.90, 0.90 - 0.1 * SHIP_TIE_SHARE + 1e-9), "identity")[0][0].family == "hgb"
+    assert _ship("starved", results(0.90, 0.80), "identity")[0][0].family == "rf"
     with pytest.raises(SpecError, match="no exportable"):
         _ship("itl", [], "exp")
+
+
+def test_a_profile_over_its_node_budget_ships_the_smaller_family_that_costs_least() -> None:
+    """``train._within_budget``: while one profile's forests exceed the node budget, the target whose smaller
+    family loses the least CV score (relative) switches; nothing smaller left: shipped, and said."""
+    from sklearn.ensemble import RandomForestRegressor
+
+    from lorapack.surrogate.train import FamilyResult, _ship, _within_budget
+
+    rng = np.random.default_rng(0)
+    X = rng.random((400, len(FEATURE_NAMES)))
+    y = X[:, 0] + 0.1 * rng.random(400)
+    big = RandomForestRegressor(n_estimators=8, random_state=0).fit(X, y)
+    small = RandomForestRegressor(n_estimators=1, max_depth=3, random_state=0).fit(X, y)
+
+    def fams(cv_big: float, cv_small: float) -> list[FamilyResult]:
+        return [FamilyResult("rf", {}, cv_big, {}, 0.0, big), FamilyResult("hgb", {}, cv_small, {}, 0.0, small)]
+
+    options = {"throughput": _ship("throughput", fams(2.0, 2.2), "identity"),  # hgb 10 % worse
+               "itl": _ship("itl", fams(4.0, 6.0), "exp")}  # hgb 50 % worse
+    assert options["throughput"][0][0].family == options["itl"][0][0].family == "rf"
+    n_big, n_small = options["itl"][0][1].n_nodes, options["itl"][1][1].n_nodes
+    chosen, note = _within_budget(options, 2 * n_big)
+    assert {t: r.family for t, (r, _) in chosen.items()} == {"throughput": "rf", "itl": "rf"} and note == ""
+    chosen, note = _within_budget(options, n_big + n_small)  # one switch: the cheaper one
+    assert {t: r.family for t, (r, _) in chosen.items()} == {"throughput": "hgb", "itl": "rf"}
+    assert note.startswith("throughput: hgb") and "instead of rf" in note
+    chosen, note = _within_budget(options, n_small)  # both switch, still over: said
+    assert {r.family for r, _ in chosen.values()} == {"hgb"} and "no smaller family left" in note
