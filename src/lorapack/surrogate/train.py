@@ -373,15 +373,11 @@ def _within_budget(options: dict[str, list[tuple[FamilyResult, FlatForest]]], ma
     gradient boosting's, put the shipped models at 31.8 MB). Over budget with nothing smaller left: shipped as it
     is, and the note says so."""
     chosen = {t: opts[0] for t, opts in options.items()}
+    best_cv = {t: (max if t == "starved" else min)(r.cv_score for r, _ in opts) for t, opts in options.items()}
     notes = []
     while (total := sum(f.n_nodes for _, f in chosen.values())) > max_nodes:
-        swaps = []
-        for t, opts in options.items():
-            cur_r, cur_f = chosen[t]
-            best_cv = min(r.cv_score for r, _ in opts) if t != "starved" else max(r.cv_score for r, _ in opts)
-            for r, f in opts:
-                if f.n_nodes < cur_f.n_nodes:
-                    swaps.append((_cv_loss(t, r.cv_score, best_cv), t, r, f))
+        swaps = [(_cv_loss(t, r.cv_score, best_cv[t]), t, r, f) for t, opts in options.items()
+                 for r, f in opts if f.n_nodes < chosen[t][1].n_nodes]
         if not swaps:
             notes.append(f"{total:,} tree nodes, over the budget of {max_nodes:,}, with no smaller family left")
             break
