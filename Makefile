@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -x -p no:cacheprovider -m "not slow and not real" $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -x -p no:cacheprovider -m "slow and not real" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -x -p no:cacheprovider -m "slow and not real" --durations=8 $(PYTEST_ARGS)
 
 # vLLM's CPU build in its own environment, cached per machine under ~/.cache/lorapack/testbed (docs/testbed.md)
 testbed: $(STAMP)
@@ -33,7 +33,7 @@ testbed: $(STAMP)
 
 test-real: $(STAMP)
 	@$(BIN)/python -m lorapack.testbed status >/dev/null || exit 2
-	$(BIN)/python -m pytest -p no:cacheprovider -m real $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -p no:cacheprovider -m real --durations=12 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench scripts
