@@ -339,3 +339,44 @@ def test_runtime_adapter_room_is_reused_then_runs_out() -> None:
     assert d.index == 1
     with pytest.raises(TwinServerError, match="no room for another adapter"):
         twin.load_adapter(LoraModule("e", "/e"))
+
+
+def test_first_tokens_are_handed_out_before_the_rest_of_their_step() -> None:
+    """Every stream of a step wakes at once and the event loop serves them in hand-out order: a request's first
+    token goes out before the later tokens of the requests already running (docs/serve.md, "Measured")."""
+    import math
+
+    from lorapack.profile import find_profile
+    from lorapack.serve.twin import TwinServer
+    from lorapack.server import ServerConfig
+
+    twin = TwinServer(find_profile(LLAMA), ServerConfig(max_loras=4), [LoraModule(f"a{i}", f"/a{i}") for i in range(4)])
+    order: list[tuple[int, bool]] = []
+    twin.on_token = lambda s, n_new, gap: order.append((s.request_id, math.isnan(gap)))
+    w0 = twin._wall0
+    old = [twin.submit(f"a{i}", 64, 500, received_wall=w0) for i in range(3)]
+    eng = twin.engine
+    while any(s.produced < 3 for s in old) or not order:
+        eng.advance_to(math.nextafter(eng.t_s, math.inf))
+        twin._publish()
+    new = twin.submit("a3", 16, 500, received_wall=w0 + eng.t_s / twin.time_scale)
+    while not new.produced:
+        order.clear()
+        eng.advance_to(math.nextafter(eng.t_s, math.inf))
+        twin._publish()
+    # the step that gave the new request its first token also gave every running request a token
+    assert sorted(rid for rid, _ in order) == sorted([s.request_id for s in old] + [new.request_id])
+    assert order[0] == (new.request_id, True), order
+    assert all(not first for _, first in order[1:])
+
+
+def test_replay_records_when_each_body_left_the_client(server) -> None:
+    """The replayer's ``t_wire_s`` (aiohttp's chunk-sent trace): after the send call, before the first token."""
+    from lorapack.testbed.replay import Arrival, ReplayOptions, replay
+
+    arrivals = [Arrival(0.02 * i, "a0" if i % 2 else "a1", 40 + 30 * i, 3) for i in range(4)]
+    got = replay(server, arrivals, ReplayOptions(model=LLAMA, headers={"Authorization": "Bearer sekret"},
+                                                 scrape_every_s=5.0))
+    for r in got.records:
+        assert r.status == 200 and r.completion_tokens == 3, r.error
+        assert r.t_sent_s <= r.t_wire_s < r.t_first_s, r
