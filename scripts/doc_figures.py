@@ -197,9 +197,17 @@ def serve_figures() -> str:
             path = (f"; HTTP path {r['http_path_ms']:.2f} ms {r['http_path'].replace('-', ' ')}"
                     if "http_path" in r else "")
             rows.append(f"| client vs `simulate`, {r['design']} ({r['adapters']} adapters, {r['rate_rps']:g} req/s, "
-                        f"`--max-loras {r['max_loras']}`, {r['duration_s']:.0f} s{path}): median per-request error "
+                        f"`--max-loras {r['max_loras']}`, {r['duration_s']:.0f} s{path}"
+                        + ("; twin fed the server's arrivals" if r.get("server_arrivals") else "")
+                        + "): median per-request error "
                         f"(≤ 5 %), starved adapters (same) | TTFT {100 * r['ttft_median_rel_err']:.2f} % (median "
-                        f"{r['ttft_median_signed_err_ms']:+.1f} ms), ITL {100 * r['itl_median_rel_err']:.2f} %; "
+                        f"{r['ttft_median_signed_err_ms']:+.1f} ms"
+                        + "".join(f"; {what} {100 * r[f'ttft_{key}_median_rel_err']:.2f} %, "
+                                  f"{r[f'ttft_{key}_median_signed_err_ms']:+.1f} ms"
+                                  for key, what in (("from_wire", "client's clocks: from the wire"),
+                                                    ("from_send_call", "from the send call"))
+                                  if r.get(f"ttft_{key}_median_rel_err") is not None)
+                        + f"), ITL {100 * r['itl_median_rel_err']:.2f} %; "
                         f"starved {'the same' if r['same_starved'] else 'different'} ({len(r['starved_twin'])}); "
                         f"scraped running / waiting {r['metrics_running_mean']:.1f} / {r['metrics_waiting_mean']:.1f} "
                         f"vs twin {r['twin_running_mean']:.1f} / {r['twin_waiting_mean']:.1f} | "

@@ -371,7 +371,8 @@ def test_first_tokens_are_handed_out_before_the_rest_of_their_step() -> None:
 
 
 def test_replay_records_when_each_body_left_the_client(server) -> None:
-    """The replayer's ``t_wire_s`` (aiohttp's chunk-sent trace): after the send call, before the first token."""
+    """The replayer's ``t_wire_s`` (aiohttp's chunk-sent trace) and ``t_server_arrival_s`` (the twin server's header):
+    after the send call, before the first token."""
     from lorapack.testbed.replay import Arrival, ReplayOptions, replay
 
     arrivals = [Arrival(0.02 * i, "a0" if i % 2 else "a1", 40 + 30 * i, 3) for i in range(4)]
@@ -380,3 +381,5 @@ def test_replay_records_when_each_body_left_the_client(server) -> None:
     for r in got.records:
         assert r.status == 200 and r.completion_tokens == 3, r.error
         assert r.t_sent_s <= r.t_wire_s < r.t_first_s, r
+        # the twin server's arrival header: when the request entered its engine, on the client's clock
+        assert r.t_sent_s <= r.t_server_arrival_s < r.t_first_s, r

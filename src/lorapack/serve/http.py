@@ -310,8 +310,12 @@ class TwinApp:
             return error(str(exc), exc.status, exc.err_type)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        # when the request entered the engine, on this machine's monotonic clock (not a vLLM header): a client on
+        # the same machine can simulate exactly the arrivals the twin served (bench/serve_fidelity.py)
+        arrival = {ARRIVAL_HEADER: f"{twin.wall_at(s.t_arr_s):.6f}"}
         if stream:
-            return StreamingResponse(self._sse(s, rid, created, chat, include_usage), media_type="text/event-stream")
+            return StreamingResponse(self._sse(s, rid, created, chat, include_usage), media_type="text/event-stream",
+                                     headers=arrival)
         try:
             while await s.tokens.get() is not None:
                 pass
@@ -331,7 +335,7 @@ class TwinApp:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
             body = {"id": rid, "object": "text_completion", "created": created, "model": s.model,
                     "choices": [choice], "usage": usage}
-        return JSONResponse(body)
+        return JSONResponse(body, headers=arrival)
 
     async def _sse(self, s: RequestStream, rid: str, created: int, chat: bool,
                    include_usage: bool) -> AsyncIterator[bytes]:
@@ -413,6 +417,7 @@ async def measure_http_path_s(host: str, port: int, n: int = PROBE_REQUESTS, war
     return times[len(times) // 2]
 
 
+ARRIVAL_HEADER = "x-lorapack-arrival-monotonic"  # a completion's arrival in the engine (time.monotonic())
 RECEIVED_KEY = "lorapack.received"  # ASGI scope key: time.monotonic() when the app got the request
 
 

@@ -14,6 +14,7 @@ one chunk (``n_chunks`` < the output tokens, ``completion_tokens`` from the usag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -78,6 +79,9 @@ class RequestRecord:
     # when the request's body was handed to the socket (aiohttp's ``on_request_chunk_sent``): ``t_sent_s`` plus
     # the client's own work before it (encoding the body, taking a connection), 1-3 ms on a busy 2-core machine
     t_wire_s: float = float("nan")
+    # when the server says the request entered its engine (a twin server's ``x-lorapack-arrival-monotonic``, the
+    # same machine's monotonic clock); NaN from any other server
+    t_server_arrival_s: float = float("nan")
     t_first_s: float = float("nan")
     t_finish_s: float = float("nan")
     gaps_s: list[float] = field(default_factory=list)
@@ -201,6 +205,9 @@ async def send_request(session, url: str, arrival: Arrival, rec: RequestRecord, 
     try:
         async with session.post(url + "/v1/completions", json=body, trace_request_ctx=rec) as r:
             rec.status = r.status
+            if (stamp := r.headers.get("x-lorapack-arrival-monotonic")) is not None:
+                with contextlib.suppress(ValueError):
+                    rec.t_server_arrival_s = float(stamp) - t0
             if r.status != 200:
                 rec.error = _error_message(await r.text())
                 return
