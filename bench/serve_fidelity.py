@@ -6,7 +6,8 @@ per adapter; a tail that starves behind 4 slots; an overload on 2 slots), a ``lo
 recorded), and the twin simulates the same arrivals (``twin_replay``) at the times the server's engine got them
 (the twin server's ``x-lorapack-arrival-monotonic`` header, same machine). Scores:
 
-* per request, the TTFT the client saw against the twin's (frontend share included), and the mean
+* per request, the time from the request's arrival to its first token reaching the client against the twin's
+  TTFT (frontend share included), and the mean
   inter-token gap against the twin's ``(t_finish - t_first) / (tokens - 1)``: the median relative error
   (target <= 5 %);
 * the same TTFT error with the twin fed the times each body left the client (``*_from_wire``) and the times the
