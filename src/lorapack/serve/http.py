@@ -45,6 +45,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .. import __version__
+from . import ARRIVAL_HEADER
 from .metrics import TwinMetrics
 from .twin import LoraModule, RequestStream, TwinServer, TwinServerError
 
@@ -417,7 +418,6 @@ async def measure_http_path_s(host: str, port: int, n: int = PROBE_REQUESTS, war
     return times[len(times) // 2]
 
 
-ARRIVAL_HEADER = "x-lorapack-arrival-monotonic"  # a completion's arrival in the engine (time.monotonic())
 RECEIVED_KEY = "lorapack.received"  # ASGI scope key: time.monotonic() when the app got the request
 
 

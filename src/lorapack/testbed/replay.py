@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import SpecError
+from ..serve import ARRIVAL_HEADER
 
 PROMPT_TOKEN_LO = 3  # token ids below are the tiny tokenizer's specials (<s>, </s>, <unk>)
 PROMPT_TOKEN_HI = 2000
@@ -205,7 +206,7 @@ async def send_request(session, url: str, arrival: Arrival, rec: RequestRecord, 
     try:
         async with session.post(url + "/v1/completions", json=body, trace_request_ctx=rec) as r:
             rec.status = r.status
-            if (stamp := r.headers.get("x-lorapack-arrival-monotonic")) is not None:
+            if (stamp := r.headers.get(ARRIVAL_HEADER)) is not None:
                 with contextlib.suppress(ValueError):
                     rec.t_server_arrival_s = float(stamp) - t0
             if r.status != 200:
