@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve_vllm_bench.json")
     a = ap.parse_args()
     from lorapack.serve.launch import twin_process
-    from lorapack.testbed.env import find_testbed
+    from lorapack.testbed.env import client_env, find_testbed
 
     tb = find_testbed()
     if tb is None:
@@ -69,10 +69,10 @@ def main() -> None:
                "max_lora_rank=16", f"model={MODEL}", "lora_ranks=16:4"]
         t0 = time.monotonic()
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+                             env=client_env())
         wall = time.monotonic() - t0
         if run.returncode != 0:
-            sys.exit(f"vllm bench serve failed: {run.stderr[-1500:]}")
+            sys.exit(f"vllm bench serve failed (exit {run.returncode}): {(run.stderr or run.stdout)[-1500:]}")
         bench = json.loads(result.read_text())
         val = subprocess.run([sys.executable, "-m", "lorapack.cli", "validate", str(result), "--lengths", "fixed",
                               "--seeds", str(a.validate_seeds), "--workers", "2", "--json"], capture_output=True,

@@ -178,7 +178,8 @@ def test_an_install_killed_half_way_is_removed_and_redone(monkeypatch, tmp_path:
     it and runs every step again; a second install then finds it ready and runs nothing."""
     monkeypatch.setenv(testbed_env.CACHE_ENV_VAR, str(tmp_path))
     ran: list[str] = []
-    monkeypatch.setattr(testbed_env, "_run", lambda cmd, log, what: ran.append(what))
+    envs: dict[str, dict | None] = {}
+    monkeypatch.setattr(testbed_env, "_run", lambda cmd, log, what, env=None: (ran.append(what), envs.update({what: env})))
     monkeypatch.setattr(testbed_env, "_alias_vllm_dist", lambda venv: None)
     version = testbed_env._python_version(testbed_env.testbed_python())
     partial = tmp_path / testbed_env.cache_key(version)
@@ -190,7 +191,28 @@ def test_an_install_killed_half_way_is_removed_and_redone(monkeypatch, tmp_path:
     assert any("incomplete" in s for s in said)
     assert not (partial / "venv" / "half-written").exists()
     assert "installing the pinned packages" in ran and "generating the tiny model" in ran
+    # the last step loads vLLM's compiled kernels as a server does: with the CPU platform named
+    assert ran[-1] == "importing vllm and its CPU kernels" and envs[ran[-1]]["VLLM_TARGET_DEVICE"] == "cpu"
     assert testbed_env.find_testbed().root == tb.root
     ran.clear()
     testbed_env.install(say=said.append)
     assert ran == [] and "cached" in said[-1]
+
+
+def test_an_install_step_killed_by_an_illegal_instruction_says_so(tmp_path: Path):
+    """vLLM's CPU kernels built for an instruction set this CPU lacks die with SIGILL: the install's error names
+    that, not only the log's (empty) tail."""
+    log = tmp_path / "install.log"
+    with pytest.raises(testbed_env.TestbedError, match="illegal instruction.*CPU kernels") as err:
+        testbed_env._run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"], log,
+                         "importing vllm and its CPU kernels")
+    assert "importing vllm and its CPU kernels" in str(err.value) and str(log) in str(err.value)
+
+
+def test_every_testbed_vllm_program_names_the_cpu_platform():
+    """The client (``vllm bench serve``) as well as the servers: without the platform named, a client's vLLM
+    loads its AVX-512 kernels and dies with SIGILL on an AVX2-only CPU (seen on an AMD EPYC)."""
+    from lorapack.testbed.server import SERVER_ENV
+
+    for env in (testbed_env.client_env(), SERVER_ENV):
+        assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["HF_HUB_OFFLINE"] == "1"

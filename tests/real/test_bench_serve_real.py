@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lorapack.measure import proof as fd
+from lorapack.testbed.env import client_env
 
 pytestmark = pytest.mark.real
 
@@ -27,7 +28,7 @@ def test_vllm_bench_serve_result_is_a_run(testbed, servers, tmp_path: Path) -> N
            "--result-filename", result.name, "--metadata", "max_loras=4", "max_lora_rank=32",
            "max_cpu_loras=12", "model=tiny", "lora_ranks=" + " ".join(f"{r}:{ranks.count(r)}" for r in sorted(set(ranks)))]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+                         env=client_env())
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     data = json.loads(result.read_text())
     assert data["completed"] == 40 and "input_lens" in data and "ttfts" in data

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from lorapack.testbed.env import client_env
 from serve_helpers import LLAMA, twin_server
 
 pytestmark = pytest.mark.real
@@ -29,7 +30,7 @@ def test_vllm_bench_serve_against_a_twin_server(testbed, tmp_path: Path) -> None
                "--save-result", "--save-detailed", "--result-dir", str(tmp_path), "--result-filename", result.name,
                "--metadata", "max_loras=4", "max_lora_rank=16", f"model={LLAMA}", "lora_ranks=16:4"]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+                             env=client_env())
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     bench = json.loads(result.read_text())
     assert bench["completed"] == 400 and bench["failed"] == 0

