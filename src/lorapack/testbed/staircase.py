@@ -119,7 +119,8 @@ def run_staircase(url: str, profile, name: str, max_loras: int, attempts: int = 
     """Send design ``name`` to the server at ``url`` (started with ``vllm_args(server_flags(max_loras))`` and the
     six adapters registered in ``ADAPTERS`` order) and compare with the twin; a replay whose client fell more
     than ``MAX_SEND_LAG_S`` behind, or whose server queued a request more than ``MAX_OUTSIDE_ENGINE_S`` later than
-    its usual (``engine_arrivals_s``), is run again, up to ``attempts`` times (the last one counts regardless)."""
+    its usual (``engine_arrivals_s``), is
+    run again, up to ``attempts`` times (the last one counts regardless)."""
     arrivals = design(name)
     planned = np.array([a.t_s for a in arrivals])
     for attempt in range(1, attempts + 1):
