@@ -3,8 +3,8 @@
 Six adapters (two each of ranks 8, 16, 32) share a server with ``--max-loras`` 2 or 3 slots. vLLM admits a
 waiting request only while the adapters of the requests scheduled this step leave room for its adapter, so the
 adapters are served a few at a time, in queue order: a staircase of first-token times. ``run_staircase`` sends
-one design to a server, runs the same requests through the twin (the shipped Llama profile, fed the times the
-requests reached the server's engine: ``engine_arrivals_s``) and returns the first-token order agreement over the request pairs with different adapters
+one design to a server, runs the same requests through the twin (the shipped Llama profile, fed the client's
+actual send times) and returns the first-token order agreement over the request pairs with different adapters
 sent at least 20 ms apart (first tokens within one step of the server of each other count as a tie:
 ``replay.order_agreement``). The twin follows the rule set of the testbed's vLLM version
 (``lorapack.server.rules_for_version``).
@@ -12,7 +12,7 @@ sent at least 20 ms apart (first tokens within one step of the server of each ot
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -104,12 +104,9 @@ class StaircaseRun:
                  f"engine {self.max_outside_engine_s:.3f} s; twin at the server's pace: steps x "
                  f"{self.time_scale:.3g} of the profile's, one server step (a tie) "
                  f"{1000 * server_itl_s(self.result.records):.0f} ms"]
-        records = self.result.records
-        # the server's first tokens as compared: counted from each request's arrival in the engine's queue
-        held = engine_arrivals_s(records) - np.array([r.t_sent_s for r in records])
         for a in ADAPTERS:
-            idx = [i for i, r in enumerate(records) if r.adapter_id == a]
-            real = np.array([records[i].t_first_server_s for i in idx]) + held[idx]
+            idx = [i for i, r in enumerate(self.result.records) if r.adapter_id == a]
+            real = np.array([self.result.records[i].t_first_server_s for i in idx])
             lines.append(f"{a}: server {np.round(real, 2).tolist()} twin {np.round(self.twin_first_s[idx], 2).tolist()}")
         return "\n".join(lines)
 
@@ -136,40 +133,19 @@ def run_staircase(url: str, profile, name: str, max_loras: int, attempts: int = 
     return StaircaseRun(name, max_loras, share, pairs, lag, attempt, result, engine.t_first_s, scale, outside_max)
 
 
-def engine_arrivals_s(records) -> np.ndarray:
-    """When each request reached the engine's queue, on the client's clock: its send time plus the part of its
-    ``outside_engine_s`` above the run's median. The median is what every request spends outside the engine's own
-    intervals (the API server's pre-processing and the answer's way back: 5-85 ms on an idle machine); more is
-    time the API server held the request before queuing it. On a loaded machine (both cores busy) the API
-    server held some staircase requests up to 0.5 s, so the engine saw another order than the one sent; fed
-    the send times, the twin then disagreed with the server on ~5 % of the pairs (0.947 in a loaded `.ci/run`,
-    docs/testbed.md). A request without the engine's intervals keeps its send time."""
-    sent = np.array([r.t_sent_s for r in records], dtype=float)
-    outside = np.array([r.outside_engine_s for r in records], dtype=float)
-    ok = np.isfinite(outside)
-    if not ok.any():
-        return sent
-    held = np.where(ok, np.maximum(outside - np.median(outside[ok]), 0.0), 0.0)
-    return sent + held
-
-
 def compare_with_twin(profile, flags: dict[str, int], arrivals: list[Arrival], result: ReplayResult,
                       duration_s: float = 120.0):
     """The replayed ``arrivals`` through the twin (the six staircase adapters, ``flags`` under vLLM's names, the
-    testbed's rule set, the times the requests reached the server's engine (``engine_arrivals_s``: the client's
-    send times but for requests the API server held), at the server's pace: ``pace_to_server``):
+    testbed's rule set, the client's actual send times, at the server's pace: ``pace_to_server``):
     ``(first-token order agreement, pairs, EngineResult, time_scale)`` over the request pairs with different
-    adapters that reached the engine at least ``MIN_PAIR_GAP_S`` apart, first tokens within one server step of each other counting
+    adapters sent at least ``MIN_PAIR_GAP_S`` apart, first tokens within one server step of each other counting
     as a tie; ``time_scale`` is the twin's pace factor."""
     from lorapack.server import ServerConfig
 
-    # the requests as the engine got them: each sent at its estimated arrival in the engine's queue, so the twin
-    # is fed the order the engine saw and the server's first tokens are counted from there
-    records = [replace(r, t_sent_s=t) for r, t in zip(result.records, engine_arrivals_s(result.records), strict=True)]
-    sent = np.array([r.t_sent_s for r in records])
+    sent = np.array([r.t_sent_s for r in result.records])
     server = ServerConfig(**flags, vllm_version=VLLM_VERSION)  # the testbed's rules
-    scale, _, engine = pace_to_server(profile, ADAPTERS, RANKS, arrivals, server, duration_s, records)
-    real_first = np.array([r.t_first_server_s for r in records])
+    scale, _, engine = pace_to_server(profile, ADAPTERS, RANKS, arrivals, server, duration_s, result.records)
+    real_first = np.array([r.t_first_server_s for r in result.records])
     # one step at the server's pace is a tie (order_agreement): CI on 2026-11-29 (22bfaea, a machine ~3x slower
     # than usual) measured the interleaved --max-loras 2 staircase at 0.933: the server picked up both rank-16
     # adapters in one step once both rank-8 adapters had finished, the twin one step apart (the last rank-8
