@@ -49,7 +49,7 @@ def main() -> None:
                         print(f"max_loras {a} {name:11s} rep {rep}: agreement {run.agreement:.3f} over "
                               f"{run.pairs} pairs (send lag {run.max_send_lag_s * 1000:.0f} ms, outside the engine "
                               f"{run.max_outside_engine_s * 1000:.0f} ms, "
-                              f"{run.attempts} attempt(s))", flush=True)
+                              f"attempt {run.counted} of {run.attempts})", flush=True)
             finally:
                 server.stop()
     summary = {}

@@ -101,6 +101,19 @@ def test_guard_exits_with_the_commands_status():
     assert proc.wait(timeout=30) == 7
 
 
+def test_a_guarded_command_shares_the_starters_session_in_a_group_of_its_own(tmp_path: Path):
+    """Niceness orders tasks only within a session (the kernel's autogroups): a server in a session of its own
+    competed with the client's session as an equal, and a busy loop beside the client left the client at nice
+    -20 seconds late (docs/testbed.md). So the guard keeps the starter's session; its own process group is what
+    ``stop_tree`` kills."""
+    log = tmp_path / "ids.log"
+    proc = guarded([sys.executable, "-c", "import os; print(os.getsid(0), os.getpgrp())"], log=log)
+    assert proc.wait(timeout=60) == 0
+    sid, pgid = (int(x) for x in log.read_text().split()[-2:])
+    assert sid == os.getsid(0)
+    assert pgid == proc.pid != os.getpgrp()
+
+
 def test_guarded_servers_stay_server_nice_steps_below_a_raised_client(tmp_path: Path):
     """The real tier's priority rule (``raise_priority``, ``SERVER_NICE``): a guarded server's niceness is
     relative to its client's, whatever the client's is. Here the client lowers its priority (always permitted),

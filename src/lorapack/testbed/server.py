@@ -68,13 +68,21 @@ def lora_module_arg(name: str, path: Path | str) -> str:
 def guarded(cmd: Sequence[str], env: dict[str, str] | None = None, log: Path | None = None,
             cwd: Path | None = None, nice: int = 0) -> subprocess.Popen:
     """Start ``cmd`` under the guard (it and its descendants die with this process or at ``stop_tree``),
-    ``nice`` steps below this process's CPU priority."""
+    ``nice`` steps below this process's CPU priority, in a process group of its own but in this process's
+    session.
+
+    The session matters: with the kernel's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``,
+    on by default) niceness orders tasks only within a session; between sessions the CPU is shared fairly,
+    whatever the nice values. A server in a session of its own (``setsid``) beside a busy loop in the client's
+    session left the client at nice -20 waiting up to 4 s for a core (its run-queue delay,
+    ``/proc/thread-self/schedstat``), so sends were seconds late (docs/testbed.md, "Other work on the
+    machine")."""
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 (kept by the child)
     try:
         return subprocess.Popen([sys.executable, "-m", "lorapack.testbed.guard", f"--nice={nice}", "--", *cmd],
                                 env=env, cwd=cwd,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                process_group=0)
     finally:
         if log is not None:
             out.close()
@@ -89,7 +97,7 @@ def stop_tree(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
         except subprocess.TimeoutExpired:
             pass
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the guard's pid is its group's id
+        os.killpg(proc.pid, signal.SIGKILL)  # process_group=0: the guard's pid is its group's id
     except (ProcessLookupError, PermissionError):
         pass
     try:

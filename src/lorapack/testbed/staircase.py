@@ -91,16 +91,18 @@ class StaircaseRun:
     twin_first_s: np.ndarray
     time_scale: float = 1.0  # the twin's pace factor (pace_to_server): its steps this many times the profile's
     max_outside_engine_s: float = float("nan")  # the largest RequestRecord.outside_engine_s of the run
+    counted: int = 1  # the attempt compared with the twin (the one nearest the design; run_staircase)
 
     def summary(self) -> dict:
         return {"design": self.design, "max_loras": self.max_loras, "agreement": round(self.agreement, 4),
                 "pairs": self.pairs, "max_send_lag_s": round(self.max_send_lag_s, 3), "attempts": self.attempts,
+                "counted": self.counted,
                 "time_scale": round(self.time_scale, 3),
                 "max_outside_engine_s": round(self.max_outside_engine_s, 3)}
 
     def explain(self) -> str:
         """First-token times per adapter, server and twin (for a failure message)."""
-        lines = [f"attempt {self.attempts}: client send lag {self.max_send_lag_s:.3f} s, largest time outside the "
+        lines = [f"attempt {self.counted} of {self.attempts}: client send lag {self.max_send_lag_s:.3f} s, largest time outside the "
                  f"engine {self.max_outside_engine_s:.3f} s; twin at the server's pace: steps x "
                  f"{self.time_scale:.3g} of the profile's, one server step (a tie) "
                  f"{1000 * server_itl_s(self.result.records):.0f} ms"]
@@ -115,22 +117,31 @@ def run_staircase(url: str, profile, name: str, max_loras: int, attempts: int = 
     """Send design ``name`` to the server at ``url`` (started with ``vllm_args(server_flags(max_loras))`` and the
     six adapters registered in ``ADAPTERS`` order) and compare with the twin; a replay whose client fell more
     than ``MAX_SEND_LAG_S`` behind, or whose server queued a request more than ``MAX_OUTSIDE_ENGINE_S`` late, is
-    run again, up to ``attempts`` times (the last one counts regardless)."""
+    run again, up to ``attempts`` times; then the attempt nearest the design (the least of those two
+    latenesses) counts (``StaircaseRun.counted``)."""
     arrivals = design(name)
     planned = np.array([a.t_s for a in arrivals])
+    best = None
     for attempt in range(1, attempts + 1):
         result = replay(url, arrivals, ReplayOptions(stream=False, scrape_every_s=0.25))
         sent = np.array([r.t_sent_s for r in result.records])
         lag = float(np.nanmax(sent - planned))
         outside = np.array([r.outside_engine_s for r in result.records])
         outside_max = float(np.nanmax(outside)) if np.isfinite(outside).any() else float("nan")
-        if (lag <= MAX_SEND_LAG_S and not outside_max > MAX_OUTSIDE_ENGINE_S) or attempt == attempts:
+        # the replay nearest the design counts (least lateness, by the two measures; chosen before any
+        # comparison with the twin): on a busy machine most attempts have some request > 0.1 s outside
+        lateness = max(lag, outside_max if np.isfinite(outside_max) else 0.0)
+        if best is None or lateness < best[0]:
+            best = (lateness, attempt, result, lag, outside_max)
+        if lag <= MAX_SEND_LAG_S and not outside_max > MAX_OUTSIDE_ENGINE_S:
             break
+    _, counted, result, lag, outside_max = best
     bad = [(r.index, r.status, r.error) for r in result.records if r.status != 200]
     if bad:
         raise TestbedError(f"{len(bad)} staircase request(s) failed on {url}: {bad[:3]}")
     share, pairs, engine, scale = compare_with_twin(profile, server_flags(max_loras), arrivals, result)
-    return StaircaseRun(name, max_loras, share, pairs, lag, attempt, result, engine.t_first_s, scale, outside_max)
+    return StaircaseRun(name, max_loras, share, pairs, lag, attempt, result, engine.t_first_s, scale, outside_max,
+                        counted)
 
 
 def compare_with_twin(profile, flags: dict[str, int], arrivals: list[Arrival], result: ReplayResult,
