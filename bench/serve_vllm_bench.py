@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve_vllm_bench.json")
     a = ap.parse_args()
     from lorapack.serve.launch import twin_process
-    from lorapack.testbed.env import client_env, find_testbed
+    from lorapack.testbed.env import BenchServeLoad, client_env, find_testbed
 
     tb = find_testbed()
     if tb is None:
@@ -61,15 +61,11 @@ def main() -> None:
              "--max-loras", "4", "--max-lora-rank", "16", "--lora-modules", *[f"{n}=/adapters/{n}" for n in names]]
     with twin_process(flags) as url, tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "bench.json"
-        cmd = [str(tb.vllm), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", model_dir,
-               "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
-               str(a.output_len), "--num-prompts", str(a.num_prompts), "--request-rate", str(a.request_rate),
-               "--seed", str(a.seed), "--lora-modules", *names, "--save-result", "--save-detailed",
-               "--result-dir", tmp, "--result-filename", result.name, "--metadata", "max_loras=4",
-               "max_lora_rank=16", f"model={MODEL}", "lora_ranks=16:4"]
+        load = BenchServeLoad(a.input_len, a.output_len, a.num_prompts, a.request_rate, a.seed)
+        cmd = tb.bench_serve_command(url, names, load, result,
+                                     {"max_loras": "4", "max_lora_rank": "16", "model": MODEL, "lora_ranks": "16:4"})
         t0 = time.monotonic()
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                             env=client_env())
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=client_env())
         wall = time.monotonic() - t0
         if run.returncode != 0:
             sys.exit(f"vllm bench serve failed (exit {run.returncode}): {(run.stderr or run.stdout)[-1500:]}")

@@ -229,3 +229,26 @@ def test_every_testbed_vllm_program_names_the_cpu_platform():
 
     for env in (testbed_env.client_env(), SERVER_ENV):
         assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_the_bench_serve_command_sends_the_load_and_saves_the_result_validate_reads(tmp_path: Path):
+    """One builder for the testbed's ``vllm bench serve`` (two real tests and bench/serve_vllm_bench.py use it):
+    the random dataset at the load's lengths, rate and seed, the adapters, and a detailed result where asked,
+    with the metadata ``validate`` reads."""
+    tb = testbed_env.Testbed(tmp_path / "tb", "0.32.0", 1.0)
+    result = tmp_path / "out" / "bench.json"
+    cmd = tb.bench_serve_command("http://127.0.0.1:9", ["a0", "a1"],
+                                 testbed_env.BenchServeLoad(64, 32, 40, 8.5, seed=3), result,
+                                 {"max_loras": "4", "lora_ranks": "16:2"})
+    assert cmd[:3] == [str(tb.vllm), "bench", "serve"]
+
+    def value(flag: str) -> str:
+        return cmd[cmd.index(flag) + 1]
+
+    assert value("--base-url") == "http://127.0.0.1:9" and value("--model") == str(tb.model_dir)
+    assert (value("--dataset-name"), value("--random-input-len"), value("--random-output-len")) == ("random", "64", "32")
+    assert (value("--num-prompts"), value("--request-rate"), value("--seed")) == ("40", "8.5", "3")
+    assert cmd[cmd.index("--lora-modules") + 1:cmd.index("--lora-modules") + 3] == ["a0", "a1"]
+    assert "--save-detailed" in cmd and value("--result-dir") == str(result.parent)
+    assert value("--result-filename") == "bench.json"
+    assert cmd[cmd.index("--metadata") + 1:] == ["max_loras=4", "lora_ranks=16:2"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lorapack.measure import proof as fd
-from lorapack.testbed.env import client_env
+from lorapack.testbed.env import BenchServeLoad, client_env
 
 pytestmark = pytest.mark.real
 
@@ -21,14 +21,11 @@ def test_vllm_bench_serve_result_is_a_run(testbed, servers, tmp_path: Path) -> N
     names = [n for n, _, _ in fd.adapter_names()][:4]
     ranks = [r for _, r, _ in fd.adapter_names()][:4]
     result = tmp_path / "bench.json"
-    cmd = [str(testbed.vllm), "bench", "serve", "--backend", "vllm", "--base-url", server.url,
-           "--model", str(testbed.model_dir), "--dataset-name", "random", "--random-input-len", "64",
-           "--random-output-len", "32", "--num-prompts", "40", "--request-rate", "8", "--seed", "0",
-           "--lora-modules", *names, "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
-           "--result-filename", result.name, "--metadata", "max_loras=4", "max_lora_rank=32",
-           "max_cpu_loras=12", "model=tiny", "lora_ranks=" + " ".join(f"{r}:{ranks.count(r)}" for r in sorted(set(ranks)))]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env=client_env())
+    cmd = testbed.bench_serve_command(
+        server.url, names, BenchServeLoad(input_len=64, output_len=32, num_prompts=40, request_rate=8), result,
+        {"max_loras": "4", "max_lora_rank": "32", "max_cpu_loras": "12", "model": "tiny",
+         "lora_ranks": " ".join(f"{r}:{ranks.count(r)}" for r in sorted(set(ranks)))})
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=client_env())
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     data = json.loads(result.read_text())
     assert data["completed"] == 40 and "input_lens" in data and "ttfts" in data

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lorapack.testbed.env import client_env
+from lorapack.testbed.env import BenchServeLoad, client_env
 from serve_helpers import LLAMA, twin_server
 
 pytestmark = pytest.mark.real
@@ -24,13 +24,10 @@ def test_vllm_bench_serve_against_a_twin_server(testbed, tmp_path: Path) -> None
              "--max-loras", "4", "--max-lora-rank", "16", "--lora-modules", *[f"{n}=/adapters/{n}" for n in names])
     result = tmp_path / "bench.json"
     with twin_server(*flags, log=tmp_path / "serve.log") as url:
-        cmd = [str(testbed.vllm), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", model_dir,
-               "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
-               "--num-prompts", "400", "--request-rate", "12", "--seed", "0", "--lora-modules", *names,
-               "--save-result", "--save-detailed", "--result-dir", str(tmp_path), "--result-filename", result.name,
-               "--metadata", "max_loras=4", "max_lora_rank=16", f"model={LLAMA}", "lora_ranks=16:4"]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                             env=client_env())
+        cmd = testbed.bench_serve_command(
+            url, names, BenchServeLoad(input_len=256, output_len=64, num_prompts=400, request_rate=12), result,
+            {"max_loras": "4", "max_lora_rank": "16", "model": LLAMA, "lora_ranks": "16:4"})
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=client_env())
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     bench = json.loads(result.read_text())
     assert bench["completed"] == 400 and bench["failed"] == 0

@@ -106,6 +106,18 @@ class Adapter:
 
 
 @dataclass(frozen=True)
+class BenchServeLoad:
+    """What ``vllm bench serve`` sends: its random dataset (every prompt ``input_len`` tokens, every answer
+    ``output_len``), ``num_prompts`` requests at ``request_rate`` per second (Poisson arrivals), ``seed``."""
+
+    input_len: int
+    output_len: int
+    num_prompts: int
+    request_rate: float
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class Testbed:
     """An installed testbed: its venv, the ``vllm`` launcher, the tiny model and its adapters."""
 
@@ -138,6 +150,21 @@ class Testbed:
             if a.adapter_id == adapter_id:
                 return a
         raise TestbedError(f"the testbed has no adapter {adapter_id!r}")
+
+    def bench_serve_command(self, base_url: str, adapters: list[str], load: BenchServeLoad, result: Path,
+                            metadata: dict[str, str]) -> list[str]:
+        """The testbed's ``vllm bench serve`` (a real client) sending ``load`` to ``base_url`` as the tiny model,
+        each request to one of ``adapters`` (the client picks them at random), saving its detailed result JSON to
+        ``result`` with ``metadata`` (``--metadata k=v``: what ``lorapack validate`` reads beside the times,
+        docs/bench-json.md). Run it with ``client_env()``: without the CPU platform named vLLM loads its AVX-512
+        kernels and dies on an AVX2-only CPU (docs/testbed.md)."""
+        return [str(self.vllm), "bench", "serve", "--backend", "vllm", "--base-url", base_url,
+                "--model", str(self.model_dir), "--dataset-name", "random",
+                "--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len),
+                "--num-prompts", str(load.num_prompts), "--request-rate", str(load.request_rate),
+                "--seed", str(load.seed), "--lora-modules", *adapters,
+                "--save-result", "--save-detailed", "--result-dir", str(result.parent),
+                "--result-filename", result.name, "--metadata", *[f"{k}={v}" for k, v in metadata.items()]]
 
 
 def find_testbed() -> Testbed | None:
