@@ -38,7 +38,10 @@ STAND_IN_SERVER = ("import time\nwhile True:\n    t = time.monotonic()\n    whil
                    "        pass\n    time.sleep(0.001)\n")
 
 
-def wakeups(seconds: float, sleep_s: float = 0.005) -> np.ndarray:
+SLEEP_S = 0.005  # the client loop's sleep: a wake-up's lateness is its interval less this
+
+
+def wakeups(seconds: float, sleep_s: float = SLEEP_S) -> np.ndarray:
     """The intervals between the wake-ups of a loop that sleeps ``sleep_s``, for ``seconds``."""
     gaps = []
     end = time.monotonic() + seconds
@@ -69,7 +72,7 @@ def one_round(placement: str, seconds: float, spinners: int) -> dict:
             p.wait()
         for p in servers:
             stop_tree(p)
-    late_ms = (gaps - 0.005) * 1000.0
+    late_ms = (gaps - SLEEP_S) * 1000.0
     return {"placement": placement, "wakeups": int(gaps.size), "late_p50_ms": round(float(np.median(late_ms)), 2),
             "late_p99_ms": round(float(np.percentile(late_ms, 99)), 2), "late_max_ms": round(float(late_ms.max()), 1),
             "stalls_over_100ms": int((late_ms > 100).sum())}
